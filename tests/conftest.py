@@ -1,0 +1,48 @@
+"""Shared fixtures: tiny random Llama, Mistral and Qwen2 checkpoints built with transformers for this session."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+ARCHS = {
+    # GQA in every model (4 query heads share 2 or 1 KV heads); Qwen2 adds q/k/v bias and tied embeddings
+    "llama": ("LlamaForCausalLM", dict(num_key_value_heads=2)),
+    "mistral": ("MistralForCausalLM", dict(num_key_value_heads=1, sliding_window=None)),
+    "qwen2": ("Qwen2ForCausalLM", dict(num_key_value_heads=2, tie_word_embeddings=True)),
+}
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(tmp_path_factory):
+    from worker.engine.demo import train_tokenizer
+
+    path = tmp_path_factory.mktemp("tokenizer")
+    train_tokenizer(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory, tokenizer_dir):
+    """name -> checkpoint dir, built lazily per architecture."""
+    from worker.engine.demo import build_checkpoint
+
+    built: dict[str, object] = {}
+
+    def get(name: str):
+        if name not in built:
+            arch, overrides = ARCHS[name]
+            built[name] = build_checkpoint(tmp_path_factory.mktemp(name), arch, seed=1,
+                                           tokenizer_dir=tokenizer_dir, **overrides)
+        return built[name]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def llama_dir(checkpoints):
+    return checkpoints("llama")

@@ -1,0 +1,108 @@
+"""Greedy tokens of the engine equal transformers' own generate, under every scheduling regime."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import transformers
+
+from worker.engine import LLM, SamplingParams
+
+NUM_PROMPTS = 32
+
+
+def make_prompts(vocab: int, seed: int, shared_prefix: int = 0) -> list[tuple[list[int], int]]:
+    rng = random.Random(seed)
+    prefix = [rng.randrange(5, vocab) for _ in range(shared_prefix)]
+    prompts = []
+    for i in range(NUM_PROMPTS):
+        length = 1 + (i * 37) % 90 if not shared_prefix else rng.randrange(1, 30)
+        prompts.append((prefix + [rng.randrange(5, vocab) for _ in range(length)], rng.randrange(4, 24)))
+    return prompts
+
+
+def hf_greedy(path, prompts) -> list[list[int]]:
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    eos = model.config.eos_token_id
+    outs = []
+    for ids, max_new in prompts:
+        with torch.no_grad():
+            gen = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                 max_new_tokens=max_new, do_sample=False, eos_token_id=eos, pad_token_id=eos)
+        outs.append(gen[0, len(ids):].tolist())
+    return outs
+
+
+def run_engine(path, prompts, **engine_kwargs):
+    llm = LLM(str(path), **engine_kwargs)
+    planned = []
+    schedule = llm.scheduler.schedule
+
+    def spy():
+        plan = schedule()
+        planned.append([(seq.request_id, n) for seq, n in plan.scheduled])
+        return plan
+
+    llm.scheduler.schedule = spy
+    params = [SamplingParams(max_tokens=m, temperature=0) for _, m in prompts]
+    outs = llm.generate([ids for ids, _ in prompts], params)
+    stats = llm.stats()
+    assert stats["kv_blocks_used"] == 0 and stats["num_running"] == 0 and stats["num_waiting"] == 0
+    assert all(b.ref_count == 0 for b in llm.block_manager.blocks)
+    return [o.token_ids for o in outs], stats, planned
+
+
+@pytest.fixture(scope="module", params=["llama", "mistral", "qwen2"])
+def arch_case(request, checkpoints):
+    path = checkpoints(request.param)
+    vocab = transformers.AutoConfig.from_pretrained(str(path)).vocab_size
+    prompts = make_prompts(vocab, seed=hash(request.param) % 1000)
+    return path, prompts, hf_greedy(path, prompts)
+
+
+def test_ample_cache(arch_case):
+    path, prompts, expected = arch_case
+    got, stats, planned = run_engine(path, prompts)
+    assert got == expected
+    assert stats["num_preemptions"] == 0
+    assert max(len(step) for step in planned) > 1, "requests were not batched"
+
+
+def test_preemption_keeps_outputs(arch_case):
+    path, prompts, expected = arch_case
+    got, stats, _ = run_engine(path, prompts, num_kv_blocks=16)
+    assert stats["num_preemptions"] > 0
+    assert got == expected
+
+
+def test_chunked_prefill(arch_case):
+    path, prompts, expected = arch_case
+    budget = 16
+    got, stats, planned = run_engine(path, prompts, max_num_batched_tokens=budget)
+    assert got == expected
+    assert all(sum(n for _, n in step) <= budget for step in planned)
+    chunks: dict[str, int] = {}
+    for step in planned:
+        for rid, n in step:
+            if n > 1:
+                chunks[rid] = chunks.get(rid, 0) + 1
+    assert max(chunks.values()) > 1, "no prompt was prefilled over several steps"
+
+
+def test_prefill_first_policy(arch_case):
+    path, prompts, expected = arch_case
+    got, _, _ = run_engine(path, prompts, scheduling_policy="prefill_first", max_num_batched_tokens=64)
+    assert got == expected
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_shared_prefix_hits_cache(checkpoints, arch):
+    path = checkpoints(arch)
+    vocab = transformers.AutoConfig.from_pretrained(str(path)).vocab_size
+    prompts = make_prompts(vocab, seed=7, shared_prefix=70)
+    expected = hf_greedy(path, prompts)
+    got, stats, _ = run_engine(path, prompts, max_num_seqs=8)
+    assert stats["prefix_cache_hits"] >= (NUM_PROMPTS - 8) * 64
+    assert got == expected

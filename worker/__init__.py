@@ -1,0 +1,1 @@
+"""sluice worker side: the inference engine, the queue bridge and the `sluice` CLI."""

@@ -1,0 +1,128 @@
+"""Paged KV-cache blocks: allocation as sequences grow, reference counts, prefix caching with LRU eviction."""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+
+from worker.engine.sequence import Sequence
+
+
+@dataclass
+class Block:
+    block_id: int
+    ref_count: int = 0
+    hash: int | None = None
+    token_ids: tuple[int, ...] = ()
+
+
+def chain_hash(parent: int | None, token_ids: tuple[int, ...]) -> int:
+    """Hash of a full block given its parent's hash: equal hashes mean equal prefixes (verified on hit)."""
+    return hash((parent, token_ids))
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free_ids: deque[int] = deque(range(num_blocks))
+        # unreferenced blocks that still hold a cached prefix, least recently used first
+        self.evictable: OrderedDict[int, None] = OrderedDict()
+        self.hash_to_block: dict[int, int] = {}
+        self.prefix_queries = 0
+        self.prefix_hits = 0
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_ids) + len(self.evictable)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - self.num_free_blocks
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def match_prefix(self, seq: Sequence) -> int:
+        """Take cached blocks for the longest cached prefix of a sequence without blocks; returns tokens hit.
+
+        At least one token is always left to compute: the last one must produce logits.
+        """
+        assert not seq.block_table
+        if not self.enable_prefix_caching:
+            return 0
+        self.prefix_queries += seq.num_tokens
+        bs, parent = self.block_size, None
+        for i in range((seq.num_tokens - 1) // bs):
+            tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
+            h = chain_hash(parent, tokens)
+            block_id = self.hash_to_block.get(h)
+            if block_id is None or self.blocks[block_id].token_ids != tokens:
+                break
+            self._ref(block_id)
+            seq.block_table.append(block_id)
+            seq.block_hashes.append(h)
+            parent = h
+        hit = len(seq.block_table) * self.block_size
+        self.prefix_hits += hit
+        return hit
+
+    def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
+        need = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
+        return need <= self.num_free_blocks
+
+    def allocate(self, seq: Sequence, num_new_tokens: int) -> None:
+        """Give the sequence blocks for its next num_new_tokens tokens."""
+        need = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
+        assert need <= self.num_free_blocks, "allocate() without can_allocate()"
+        for _ in range(need):
+            seq.block_table.append(self._take_free())
+
+    def commit_full_blocks(self, seq: Sequence) -> None:
+        """Register the sequence's newly filled blocks in the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        bs = self.block_size
+        for i in range(len(seq.block_hashes), seq.num_computed_tokens // bs):
+            tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
+            h = chain_hash(seq.block_hashes[-1] if seq.block_hashes else None, tokens)
+            seq.block_hashes.append(h)
+            block = self.blocks[seq.block_table[i]]
+            if h not in self.hash_to_block and block.hash is None:
+                block.hash, block.token_ids = h, tokens
+                self.hash_to_block[h] = block.block_id
+
+    def free(self, seq: Sequence) -> None:
+        """Drop the sequence's references; the tail goes first so shared prefixes are evicted last."""
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                if block.hash is None:
+                    self.free_ids.append(block_id)
+                else:
+                    self.evictable[block_id] = None
+        seq.block_table.clear()
+        seq.block_hashes.clear()
+
+    def _ref(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            del self.evictable[block_id]
+        block.ref_count += 1
+
+    def _take_free(self) -> int:
+        if self.free_ids:
+            block_id = self.free_ids.popleft()
+        else:
+            block_id, _ = self.evictable.popitem(last=False)
+            block = self.blocks[block_id]
+            del self.hash_to_block[block.hash]
+            block.hash, block.token_ids = None, ()
+        self.blocks[block_id].ref_count = 1
+        return block_id

@@ -1,0 +1,125 @@
+"""Engine and model configuration: what the user chose and what config.json says."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+CPU_DEFAULT_KV_CACHE_MEMORY = 1 << 30
+CUDA_MEMORY_FRACTION = 0.9
+
+
+class ModelError(ValueError):
+    """A checkpoint that cannot be loaded; the message names the file or tensor."""
+
+
+@dataclass
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    sliding_window: int | None
+    dtype: torch.dtype
+    eos_token_ids: list[int] = field(default_factory=list)
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> ModelConfig:
+        file = Path(path) / "config.json"
+        try:
+            raw = json.loads(file.read_text())
+        except FileNotFoundError:
+            raise ModelError(f"{file}: not found (is {path} a Hugging Face checkpoint directory?)") from None
+        except (OSError, ValueError) as e:
+            raise ModelError(f"{file}: unreadable: {e}") from None
+        return cls.from_dict(raw, source=str(file))
+
+    @classmethod
+    def from_dict(cls, raw: dict, source: str = "config.json") -> ModelConfig:
+        archs = raw.get("architectures") or []
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            raise ModelError(
+                f"{source}: unsupported architecture {archs or raw.get('model_type')!r}; "
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        try:
+            num_heads = raw["num_attention_heads"]
+            hidden = raw["hidden_size"]
+            rope = raw.get("rope_parameters") or {}
+            scaling = raw.get("rope_scaling") or rope
+            rope_type = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
+            window = raw.get("sliding_window")
+            if arch == "Qwen2ForCausalLM" and not raw.get("use_sliding_window", False):
+                window = None
+            eos = raw.get("eos_token_id")
+            return cls(
+                architecture=arch,
+                vocab_size=raw["vocab_size"],
+                hidden_size=hidden,
+                intermediate_size=raw["intermediate_size"],
+                num_layers=raw["num_hidden_layers"],
+                num_heads=num_heads,
+                num_kv_heads=raw.get("num_key_value_heads") or num_heads,
+                head_dim=raw.get("head_dim") or hidden // num_heads,
+                rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+                rope_theta=float(raw.get("rope_theta", rope.get("rope_theta", 10000.0))),
+                rope_scaling=None if rope_type == "default" else {**scaling, "rope_type": rope_type},
+                max_position_embeddings=raw.get("max_position_embeddings", 4096),
+                tie_word_embeddings=raw.get("tie_word_embeddings", False),
+                attention_bias=arch == "Qwen2ForCausalLM" or raw.get("attention_bias", False),
+                sliding_window=window,
+                dtype=DTYPES.get(str(raw.get("torch_dtype") or raw.get("dtype") or "float32"), torch.float32),
+                eos_token_ids=[] if eos is None else [eos] if isinstance(eos, int) else list(eos),
+            )
+        except KeyError as e:
+            raise ModelError(f"{source}: missing field {e.args[0]!r}") from None
+
+
+@dataclass
+class EngineConfig:
+    model: str
+    dtype: str = "auto"
+    device: str = "auto"
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_memory: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 4096
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    scheduling_policy: str = "decode_first"
+
+    def __post_init__(self) -> None:
+        if self.dtype != "auto" and self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be 'auto' or one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.scheduling_policy not in ("decode_first", "prefill_first"):
+            raise ValueError("scheduling_policy must be 'decode_first' or 'prefill_first'")
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError("num_kv_blocks must be >= 1")
+
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    def torch_dtype(self, model: ModelConfig) -> torch.dtype:
+        return model.dtype if self.dtype == "auto" else DTYPES[self.dtype]

@@ -1,0 +1,226 @@
+"""The public engine: `LLMEngine` (add_request / step / abort, for the worker) and `LLM` (generate / chat)."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence as Seq
+from pathlib import Path
+
+import torch
+from transformers import AutoTokenizer
+
+from worker.engine import detokenizer
+from worker.engine.block_manager import BlockManager
+from worker.engine.config import EngineConfig, ModelConfig
+from worker.engine.model_runner import ModelRunner
+from worker.engine.outputs import RequestOutput
+from worker.engine.sampler import sample
+from worker.engine.sampling_params import SamplingParams
+from worker.engine.scheduler import Scheduler
+from worker.engine.sequence import Sequence, TokenLogprobs
+
+Prompt = str | list[int]
+
+
+class RequestRejected(ValueError):
+    """A request the engine can never run (too long for the model or the cache); others are unaffected."""
+
+
+def resolve_model(model: str) -> Path:
+    if model == "demo":
+        from worker.engine.demo import demo_model_dir
+
+        return demo_model_dir()
+    return Path(model)
+
+
+class LLMEngine:
+    def __init__(self, model: str, **kwargs):
+        self.config = EngineConfig(model=model, **kwargs)
+        path = resolve_model(model)
+        self.model_config = ModelConfig.from_dir(path)
+        self.tokenizer = AutoTokenizer.from_pretrained(str(path))
+        self.max_model_len = self.config.max_model_len or self.model_config.max_position_embeddings
+        self.runner = ModelRunner(self.config, self.model_config, str(path), self.max_model_len)
+        self.block_manager = BlockManager(self.runner.num_blocks, self.config.block_size,
+                                          self.config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.config, self.block_manager)
+        self.eos_token_ids = self._eos_ids(path)
+        self.requests: dict[str, Sequence] = {}
+        self._ids = itertools.count()
+        self.counters = dict.fromkeys(("num_steps", "num_prefill_tokens", "num_decode_tokens", "num_preemptions",
+                                       "prefix_cache_queries", "prefix_cache_hits"), 0)
+        self.busy_seconds = 0.0
+
+    def _eos_ids(self, path: Path) -> set[int]:
+        ids = set(self.model_config.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        try:
+            from transformers import GenerationConfig
+
+            eos = GenerationConfig.from_pretrained(str(path)).eos_token_id
+            ids.update([eos] if isinstance(eos, int) else eos or [])
+        except OSError:
+            pass
+        return ids
+
+    def encode(self, prompt: Prompt) -> list[int]:
+        return self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
+                    priority: int = 0, arrival_time: float | None = None) -> str:
+        """Queue one request; raises RequestRejected (naming the limit) if it could never run."""
+        params = params or SamplingParams()
+        request_id = request_id if request_id is not None else str(next(self._ids))
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in the engine")
+        token_ids = self.encode(prompt)
+        self.check(token_ids, params)
+        seq = Sequence(request_id, token_ids, params, arrival_time or time.time(), priority,
+                       prompt if isinstance(prompt, str) else None)
+        if params.seed is not None:
+            seq.generator = torch.Generator(device=self.runner.device).manual_seed(params.seed)
+        detokenizer.start(self.tokenizer, seq)
+        self.requests[request_id] = seq
+        self.scheduler.add(seq)
+        return request_id
+
+    def check(self, token_ids: list[int], params: SamplingParams) -> None:
+        if not token_ids:
+            raise RequestRejected("the prompt is empty")
+        vocab = self.model_config.vocab_size
+        if any(not 0 <= t < vocab for t in token_ids):
+            raise RequestRejected(f"prompt token ids must be in [0, {vocab})")
+        total = len(token_ids) + params.max_tokens
+        if total > self.max_model_len:
+            raise RequestRejected(
+                f"prompt ({len(token_ids)} tokens) plus max_tokens ({params.max_tokens}) is {total} tokens, "
+                f"more than max_model_len ({self.max_model_len})")
+        if self.block_manager.blocks_needed(total) > self.block_manager.num_blocks:
+            raise RequestRejected(
+                f"prompt plus max_tokens ({total} tokens) needs {self.block_manager.blocks_needed(total)} KV blocks; "
+                f"the cache has {self.block_manager.num_blocks}")
+
+    def abort(self, request_id: str) -> bool:
+        seq = self.requests.pop(request_id, None)
+        if seq is None:
+            return False
+        seq.finish_reason = "abort"
+        self.scheduler.finish(seq)
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_work()
+
+    def step(self) -> list[RequestOutput]:
+        """Run one iteration; return an output for every request that gained a token (finished or not)."""
+        start = time.perf_counter()
+        plan = self.scheduler.schedule()
+        if not plan.scheduled:
+            return []
+        logits, sample_seqs = self.runner.run(plan.scheduled)
+        tokens, logprobs = sample(logits, sample_seqs) if sample_seqs else ([], [])
+        now = time.time()
+        for seq, n in plan.scheduled:
+            decode = n == 1 and seq.num_computed_tokens >= seq.num_prompt_tokens
+            self.counters["num_decode_tokens" if decode else "num_prefill_tokens"] += n
+            seq.num_computed_tokens += n
+            seq.first_scheduled_time = seq.first_scheduled_time or now
+            self.block_manager.commit_full_blocks(seq)
+        for seq, token, lp in zip(sample_seqs, tokens, logprobs):
+            self._append(seq, token, lp, now)
+        elapsed = time.perf_counter() - start
+        total = plan.num_tokens
+        for seq, n in plan.scheduled:
+            seq.gpu_seconds += elapsed * n / total
+        self.busy_seconds += elapsed
+        self.counters["num_steps"] += 1
+        self.counters["num_preemptions"] += len(plan.preempted)
+        self.counters["prefix_cache_queries"] += plan.prefix_queries
+        self.counters["prefix_cache_hits"] += plan.prefix_hits
+        outputs = [RequestOutput.from_seq(seq) for seq in sample_seqs]
+        for seq in sample_seqs:
+            if seq.is_finished:
+                del self.requests[seq.request_id]
+        return outputs
+
+    def _append(self, seq: Sequence, token: int, lp: TokenLogprobs | None, now: float) -> None:
+        seq.token_ids.append(token)
+        seq.first_token_time = seq.first_token_time or now
+        if lp is not None:
+            seq.logprobs.append(lp)
+        seq.text += detokenizer.append(self.tokenizer, seq, token)
+        p = seq.params
+        reason = None
+        if (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids:
+            reason = "stop"
+        elif p.stop and self._truncate_at_stop(seq):
+            reason = "stop"
+        elif len(seq.token_ids) - seq.num_prompt_tokens >= p.max_tokens:
+            reason = "length"
+        if reason:
+            seq.finish_reason, seq.finish_time = reason, now
+            self.scheduler.finish(seq)
+
+    @staticmethod
+    def _truncate_at_stop(seq: Sequence) -> bool:
+        for stop in seq.params.stop:
+            at = seq.text.find(stop)
+            if at != -1:
+                seq.text = seq.text[:at]
+                return True
+        return False
+
+    def stats(self) -> dict:
+        bm = self.block_manager
+        return {
+            **self.counters,
+            "num_running": len(self.scheduler.running),
+            "num_waiting": self.scheduler.num_waiting,
+            "kv_blocks_total": bm.num_blocks,
+            "kv_blocks_used": bm.num_used_blocks,
+            "block_size": bm.block_size,
+            "weight_bytes": self.runner.weight_bytes,
+            "kv_cache_bytes": self.runner.kv_cache_bytes,
+            "busy_seconds": self.busy_seconds,
+        }
+
+
+class LLM(LLMEngine):
+    def generate(self, prompts: Prompt | Seq[Prompt], sampling_params: SamplingParams | Seq[SamplingParams] | None
+                 = None) -> list[RequestOutput]:
+        """Run prompts (strings or token-id lists) to completion; outputs come back in input order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        return self._run_all(list(prompts), sampling_params)
+
+    def chat(self, conversations: list[dict] | Seq[list[dict]],
+             sampling_params: SamplingParams | Seq[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Apply the chat template to each conversation (a list of {"role", "content"}) and generate."""
+        if conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]
+        return self._run_all([self.encode_chat(c) for c in conversations], sampling_params)
+
+    def _run_all(self, prompts: list[Prompt], sampling_params) -> list[RequestOutput]:
+        params = sampling_params if isinstance(sampling_params, Seq) else [sampling_params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        ids, done = [], {}
+        for prompt, p in zip(prompts, params):
+            request_id = f"gen-{next(self._ids)}"
+            ids.append(request_id)
+            try:
+                self.add_request(prompt, p, request_id)
+            except RequestRejected as e:
+                done[request_id] = RequestOutput.rejected(request_id, prompt, self.encode(prompt), str(e), time.time())
+        while self.has_unfinished_requests():
+            for out in self.step():
+                if out.finished:
+                    done[out.request_id] = out
+        return [done[i] for i in ids]

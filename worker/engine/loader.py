@@ -1,0 +1,79 @@
+"""Loads a Hugging Face checkpoint directory's safetensors into an engine model, naming any bad file or tensor."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from worker.engine.config import ModelConfig, ModelError
+from worker.engine.models import MODELS
+
+log = logging.getLogger(__name__)
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def build_model(config: ModelConfig, backend, max_positions: int, dtype: torch.dtype, device: torch.device):
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            return MODELS[config.architecture](config, backend, max_positions)
+    finally:
+        torch.set_default_dtype(default)
+
+
+def safetensors_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (OSError, ValueError, KeyError) as e:
+            raise ModelError(f"{index}: unreadable index: {e}") from None
+        files = [path / name for name in sorted(set(weight_map.values()))]
+        missing = [f.name for f in files if not f.exists()]
+        if missing:
+            raise ModelError(f"{index}: lists shard(s) not in the directory: {', '.join(missing)}")
+        return files
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ModelError(f"{path}: no *.safetensors weights found")
+    return files
+
+
+def load_weights(model: torch.nn.Module, path: str | Path) -> None:
+    """Copy every tensor the model expects from the checkpoint; missing or misshapen ones are errors."""
+    path = Path(path)
+    expected = model.checkpoint_tensors()
+    loaded: set[str] = set()
+    for file in safetensors_files(path):
+        try:
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    if name not in expected:
+                        if not name.endswith(IGNORED_SUFFIXES):
+                            log.warning("%s: ignoring unexpected tensor %s", file.name, name)
+                        continue
+                    _copy(expected[name], f.get_tensor(name), name, file)
+                    loaded.add(name)
+        except ModelError:
+            raise
+        except Exception as e:  # safetensors raises its own types for corrupt headers and data
+            raise ModelError(f"{file}: unreadable safetensors file: {e}") from None
+    missing = sorted(set(expected) - loaded)
+    if missing:
+        more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+        raise ModelError(f"{path}: checkpoint is missing tensor(s) {', '.join(missing[:5])}{more}")
+
+
+def _copy(dest: tuple[torch.Tensor, slice | None], tensor: torch.Tensor, name: str, file: Path) -> None:
+    param, rows = dest
+    target = param.data if rows is None else param.data[rows]
+    if tuple(tensor.shape) != tuple(target.shape):
+        raise ModelError(
+            f"{file.name}: tensor {name} has shape {tuple(tensor.shape)}, the config implies {tuple(target.shape)}"
+        )
+    target.copy_(tensor)

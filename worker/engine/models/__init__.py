@@ -1,0 +1,9 @@
+"""Model classes by the architecture name in config.json."""
+
+from worker.engine.models.llama import LlamaForCausalLM
+
+MODELS = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": LlamaForCausalLM,
+}

@@ -1,0 +1,109 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2): one forward over all of a step's tokens, packed."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from worker.engine.attention import AttentionBackend, AttentionMetadata, LayerCache
+from worker.engine.config import ModelConfig
+from worker.engine.layers import RMSNorm, RotaryEmbedding, silu_and_mul
+from worker.engine.linear import Linear
+
+# checkpoint projection name -> (fused module, shard index)
+FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+         "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+
+
+class Attention(nn.Module):
+    def __init__(self, c: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
+        q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        self.qkv_proj = Linear(c.hidden_size, [q_size, kv_size, kv_size], bias=c.attention_bias)
+        self.o_proj = Linear(q_size, [c.hidden_size])
+        self.rotary, self.backend = rotary, backend
+        self.scale = c.head_dim ** -0.5
+
+    def forward(self, x, positions, cache: LayerCache, meta: AttentionMetadata) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split(self.qkv_proj.out_sizes, dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary(positions, q, k)
+        self.backend.store(k, v, cache, meta)
+        out = self.backend.attend(q, cache, meta, self.scale)
+        return self.o_proj(out.reshape(-1, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, c: ModelConfig):
+        super().__init__()
+        self.gate_up_proj = Linear(c.hidden_size, [c.intermediate_size] * 2)
+        self.down_proj = Linear(c.intermediate_size, [c.hidden_size])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, c: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend):
+        super().__init__()
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.self_attn = Attention(c, rotary, backend)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.mlp = MLP(c)
+
+    def forward(self, x, positions, cache: LayerCache, meta: AttentionMetadata) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), positions, cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Decoder(nn.Module):
+    def __init__(self, c: ModelConfig, backend: AttentionBackend, max_positions: int):
+        super().__init__()
+        rotary = RotaryEmbedding(c, max_positions)
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(c, rotary, backend) for _ in range(c.num_layers))
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+
+    def forward(self, input_ids, positions, caches: list[LayerCache], meta: AttentionMetadata):
+        x = self.embed_tokens(input_ids)
+        for layer, cache in zip(self.layers, caches):
+            x = layer(x, positions, cache, meta)
+        return self.norm(x)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Also serves MistralForCausalLM and Qwen2ForCausalLM: the config says what differs."""
+
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, max_positions: int):
+        super().__init__()
+        self.config = config
+        self.model = Decoder(config, backend, max_positions)
+        self.lm_head = Linear(config.hidden_size, [config.vocab_size])
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids, positions, caches: list[LayerCache], meta: AttentionMetadata):
+        return self.model(input_ids, positions, caches, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    def checkpoint_tensors(self) -> dict[str, tuple[torch.Tensor, slice | None]]:
+        """Every tensor the checkpoint must hold: name -> (destination parameter, rows in it)."""
+        names: dict[str, tuple[torch.Tensor, slice | None]] = {}
+        for name, module in self.named_modules():
+            params = {"weight": getattr(module, "weight", None), "bias": getattr(module, "bias", None)}
+            for kind, param in params.items():
+                if not isinstance(param, torch.Tensor) or (module is self.lm_head and self.config.tie_word_embeddings):
+                    continue
+                if isinstance(module, Linear) and len(module.out_sizes) > 1:
+                    prefix, fused = name.rsplit(".", 1)
+                    for proj, (target, shard) in FUSED.items():
+                        if target == fused:
+                            names[f"{prefix}.{proj}.{kind}"] = (param, module.shard_rows(shard))
+                else:
+                    names[f"{name}.{kind}"] = (param, None)
+        return names

@@ -1,0 +1,53 @@
+"""What the engine hands back for a request: tokens, text, finish reason, cache hits and timings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from worker.engine.sequence import Sequence, TokenLogprobs
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float
+    first_scheduled_time: float | None
+    first_token_time: float | None
+    finish_time: float | None
+    gpu_seconds: float
+    num_preemptions: int
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finished: bool
+    finish_reason: str | None
+    num_cached_tokens: int
+    metrics: RequestMetrics
+    logprobs: list[TokenLogprobs] | None = None
+    error: str | None = None
+
+    @classmethod
+    def from_seq(cls, seq: Sequence) -> RequestOutput:
+        return cls(
+            request_id=seq.request_id,
+            prompt=seq.prompt,
+            prompt_token_ids=seq.prompt_token_ids,
+            token_ids=seq.output_token_ids,
+            text=seq.text,
+            finished=seq.is_finished,
+            finish_reason=seq.finish_reason,
+            num_cached_tokens=seq.num_cached_tokens,
+            metrics=RequestMetrics(seq.arrival_time, seq.first_scheduled_time, seq.first_token_time,
+                                   seq.finish_time, seq.gpu_seconds, seq.num_preemptions),
+            logprobs=list(seq.logprobs) if seq.params.logprobs is not None else None,
+        )
+
+    @classmethod
+    def rejected(cls, request_id: str, prompt, prompt_token_ids: list[int], error: str, now: float):
+        return cls(request_id, prompt if isinstance(prompt, str) else None, prompt_token_ids, [], "", True, None,
+                   0, RequestMetrics(now, None, None, now, 0.0, 0), error=error)

@@ -1,0 +1,87 @@
+"""Per-request state: tokens, progress through the KV cache, sampling state, timings."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from enum import Enum
+
+import torch
+
+from worker.engine.sampling_params import SamplingParams
+
+_arrival_order = itertools.count()
+
+
+class SequenceStatus(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class TokenLogprobs:
+    """Logprob of the sampled token and the top-N alternatives at one position."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass(eq=False)
+class Sequence:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+    priority: int = 0
+    prompt: str | None = None
+    order: int = field(default_factory=lambda: next(_arrival_order))
+    token_ids: list[int] = field(init=False)
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)
+    generator: torch.Generator | None = None
+    finish_reason: str | None = None
+    text: str = ""
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    # incremental detokenizer state: output tokens as strings, and offsets into them
+    detok_tokens: list[str] = field(default_factory=list)
+    prefix_offset: int = 0
+    read_offset: int = 0
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    gpu_seconds: float = 0.0
+    num_preemptions: int = 0
+
+    def __post_init__(self) -> None:
+        self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_remaining(self) -> int:
+        """Tokens whose K/V are not yet in the cache (1 for a decoding sequence)."""
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    @property
+    def rank(self) -> tuple[int, int]:
+        """Scheduling rank: lower priority value first, then first come first served."""
+        return (self.priority, self.order)
