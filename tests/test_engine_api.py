@@ -1,0 +1,114 @@
+"""The engine's public surface: step-level driving, rejection, abort, priority, chat, outputs and stats."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from worker.engine import LLM, RequestRejected, SamplingParams
+
+STATS_KEYS = {"num_steps", "num_prefill_tokens", "num_decode_tokens", "num_running", "num_waiting", "num_preemptions",
+              "prefix_cache_queries", "prefix_cache_hits", "kv_blocks_total", "kv_blocks_used", "weight_bytes",
+              "kv_cache_bytes"}
+
+
+@pytest.fixture(scope="module")
+def llm(llama_dir):
+    return LLM(str(llama_dir), max_model_len=128, num_kv_blocks=64)
+
+
+def drain(llm) -> dict:
+    finished = {}
+    while llm.has_unfinished_requests():
+        for out in llm.step():
+            if out.finished:
+                finished[out.request_id] = out
+    return finished
+
+
+def test_step_level_engine_streams_progress(llm):
+    llm.add_request("one two three", SamplingParams(max_tokens=5, temperature=0, ignore_eos=True), "a")
+    llm.add_request([7, 8, 9], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True), "b")
+    seen: dict[str, list[int]] = {"a": [], "b": []}
+    finished = {}
+    while llm.has_unfinished_requests():
+        for out in llm.step():
+            assert out.token_ids[: len(seen[out.request_id])] == seen[out.request_id]
+            seen[out.request_id] = out.token_ids
+            if out.finished:
+                finished[out.request_id] = out
+    assert len(finished["a"].token_ids) == 5 and len(finished["b"].token_ids) == 3
+    m = finished["a"].metrics
+    assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.finish_time
+    assert m.gpu_seconds > 0
+    assert finished["a"].prompt == "one two three"
+    assert finished["a"].prompt_token_ids == llm.tokenizer.encode("one two three")
+
+
+def test_too_long_requests_are_rejected_and_others_go_on(llm):
+    params = SamplingParams(max_tokens=100, temperature=0)
+    with pytest.raises(RequestRejected, match=r"plus max_tokens \(100\) is .* more than max_model_len \(128\)"):
+        llm.add_request(list(range(5, 60)), params)
+    outs = llm.generate([list(range(5, 60)), "fine"], [params, SamplingParams(max_tokens=4, temperature=0)])
+    assert outs[0].error and "max_model_len" in outs[0].error and outs[0].token_ids == []
+    assert outs[1].error is None and outs[1].finish_reason in ("stop", "length")
+
+
+def test_requests_that_could_never_fit_the_cache_are_rejected(llama_dir):
+    small = LLM(str(llama_dir), num_kv_blocks=2, block_size=4)
+    with pytest.raises(RequestRejected, match="needs 3 KV blocks; the cache has 2"):
+        small.add_request(list(range(5, 10)), SamplingParams(max_tokens=4))
+    with pytest.raises(RequestRejected, match="empty"):
+        small.add_request([], SamplingParams())
+
+
+def test_abort_frees_everything(llm):
+    for i in range(4):
+        llm.add_request(f"request {i}", SamplingParams(max_tokens=50, ignore_eos=True), f"abort-{i}")
+    llm.step()
+    llm.step()
+    assert llm.abort("abort-1") and llm.abort("abort-3")
+    assert not llm.abort("abort-3")
+    finished = drain(llm)
+    assert set(finished) == {"abort-0", "abort-2"}
+    assert llm.stats()["kv_blocks_used"] == 0
+
+
+def test_priority_runs_lower_values_first(llama_dir):
+    one_at_a_time = LLM(str(llama_dir), max_num_seqs=1)
+    params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+    for rid, prio in [("late-low", 5), ("first-high", 0), ("second-high", 0), ("mid", 2)]:
+        one_at_a_time.add_request(f"prompt {rid}", params, rid, priority=prio)
+    order = []
+    while one_at_a_time.has_unfinished_requests():
+        order += [o.request_id for o in one_at_a_time.step() if o.finished]
+    assert order == ["first-high", "second-high", "mid", "late-low"]
+
+
+def test_chat_applies_the_template(llm):
+    conv = [{"role": "user", "content": "hello there"}]
+    params = SamplingParams(max_tokens=6, temperature=0)
+    out = llm.chat(conv, params)[0]
+    templated = llm.tokenizer.apply_chat_template(conv, tokenize=False, add_generation_prompt=True)
+    assert templated.endswith("<|assistant|>\n")
+    assert out.prompt_token_ids == llm.tokenizer.encode(templated, add_special_tokens=False)
+    assert out.token_ids == llm.generate(out.prompt_token_ids, params)[0].token_ids
+
+
+def test_stats_report_the_run(llm):
+    before = llm.stats()
+    assert STATS_KEYS <= set(before)
+    llm.generate(["a b c d e f", "g h"], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    after = llm.stats()
+    assert after["num_decode_tokens"] - before["num_decode_tokens"] == 2 * 3
+    assert after["num_prefill_tokens"] > before["num_prefill_tokens"]
+    assert after["kv_blocks_total"] == 64 and after["kv_blocks_used"] == 0
+    assert after["kv_cache_bytes"] == 2 * 2 * 64 * 16 * 2 * 16 * 4  # layers * K,V * blocks * bs * kv_heads * dim * 4
+    assert after["weight_bytes"] > 0
+
+
+def test_arrival_time_is_kept(llm):
+    t = time.time() - 10
+    llm.add_request("x", SamplingParams(max_tokens=1), "timed", arrival_time=t)
+    assert drain(llm)["timed"].metrics.arrival_time == t

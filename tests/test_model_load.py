@@ -1,0 +1,138 @@
+"""Checkpoint loading: sharded files, dtypes, Llama 3 rope scaling, and errors that name the file or tensor."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file, save_file
+
+from worker.engine import LLM, SamplingParams
+from worker.engine.config import ModelError
+from worker.engine.demo import build_checkpoint
+from worker.engine.sampling_params import SamplingParams as SP
+from worker.engine.sequence import Sequence
+
+
+def last_logits(llm: LLM, ids: list[int]) -> torch.Tensor:
+    """The engine's logits for the token after `ids`, from one prefill through the paged cache."""
+    seq = Sequence("probe", ids, SP(), 0.0)
+    llm.block_manager.allocate(seq, len(ids))
+    try:
+        logits, _ = llm.runner.run([(seq, len(ids))])
+    finally:
+        llm.block_manager.free(seq)
+    return logits[0]
+
+
+def hf_last_logits(path, ids: list[int], dtype: torch.dtype) -> torch.Tensor:
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0, -1].float()
+
+
+@pytest.mark.parametrize("dtype,tol", [("bfloat16", 0.01), ("float16", 0.002)])
+def test_half_precision_checkpoint_loads_in_its_dtype(tmp_path, tokenizer_dir, dtype, tol):
+    path = build_checkpoint(tmp_path, "LlamaForCausalLM", seed=2, dtype=dtype, tokenizer_dir=tokenizer_dir,
+                            initializer_range=0.1)
+    llm = LLM(str(path))
+    assert llm.runner.dtype == getattr(torch, dtype)
+    assert llm.stats()["weight_bytes"] == sum(p.numel() for p in llm.runner.model.state_dict().values()) * 2
+    ids = [random.Random(0).randrange(5, 500) for _ in range(40)]
+    ours, ref = last_logits(llm, ids), hf_last_logits(path, ids, getattr(torch, dtype))
+    assert (ours - ref).abs().max() <= tol * ref.abs().max()
+    as_fp32 = LLM(str(path), dtype="float32")
+    assert as_fp32.runner.dtype == torch.float32
+
+
+def test_sharded_checkpoint(tmp_path, tokenizer_dir):
+    path = build_checkpoint(tmp_path / "one", "Qwen2ForCausalLM", seed=3, tokenizer_dir=tokenizer_dir)
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(path))
+    sharded = tmp_path / "sharded"
+    model.save_pretrained(str(sharded), max_shard_size="100KB")
+    transformers.AutoTokenizer.from_pretrained(str(path)).save_pretrained(str(sharded))
+    assert (sharded / "model.safetensors.index.json").exists()
+    assert len(list(sharded.glob("*.safetensors"))) > 1
+    params = SamplingParams(max_tokens=8, temperature=0)
+    a = LLM(str(path)).generate("sharded weights", params)[0].token_ids
+    b = LLM(str(sharded)).generate("sharded weights", params)[0].token_ids
+    assert a == b
+
+
+def test_llama3_rope_scaling_matches_transformers(tmp_path, tokenizer_dir):
+    rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 32, "rope_theta": 500000.0}
+    path = build_checkpoint(tmp_path, "LlamaForCausalLM", seed=4, tokenizer_dir=tokenizer_dir, rope_scaling=rope)
+    config = json.loads((path / "config.json").read_text())
+    assert (config.get("rope_scaling") or config.get("rope_parameters"))["rope_type"] == "llama3"
+    rng = random.Random(5)
+    prompts = [[rng.randrange(5, 500) for _ in range(n)] for n in (20, 60, 120, 200)]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    expected = [hf.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False, eos_token_id=None,
+                            pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+    got = LLM(str(path)).generate(prompts, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    assert [o.token_ids for o in got] == expected
+
+
+def test_old_style_rope_scaling_keys_are_read(tmp_path, tokenizer_dir):
+    from worker.engine.config import ModelConfig
+
+    raw = {"architectures": ["LlamaForCausalLM"], "vocab_size": 10, "hidden_size": 8, "intermediate_size": 16,
+           "num_hidden_layers": 1, "num_attention_heads": 2, "rope_theta": 500000.0,
+           "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                            "original_max_position_embeddings": 8192}, "torch_dtype": "bfloat16"}
+    c = ModelConfig.from_dict(raw)
+    assert c.rope_theta == 500000.0 and c.rope_scaling["factor"] == 8.0 and c.dtype == torch.bfloat16
+    assert c.num_kv_heads == 2 and c.head_dim == 4
+
+
+@pytest.fixture
+def ckpt(tmp_path, tokenizer_dir):
+    return build_checkpoint(tmp_path / "ckpt", "LlamaForCausalLM", seed=6, tokenizer_dir=tokenizer_dir)
+
+
+def test_unknown_architecture_is_named(ckpt):
+    config = json.loads((ckpt / "config.json").read_text())
+    config["architectures"] = ["GPT2LMHeadModel"]
+    (ckpt / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelError, match="unsupported architecture.*GPT2LMHeadModel"):
+        LLM(str(ckpt))
+
+
+def test_missing_tensor_is_named(ckpt):
+    file = ckpt / "model.safetensors"
+    tensors = load_file(str(file))
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    save_file(tensors, str(file), metadata={"format": "pt"})
+    with pytest.raises(ModelError, match=r"missing tensor\(s\) model\.layers\.1\.mlp\.up_proj\.weight"):
+        LLM(str(ckpt))
+
+
+def test_mismatched_tensor_is_named(ckpt):
+    file = ckpt / "model.safetensors"
+    tensors = load_file(str(file))
+    tensors["model.layers.0.self_attn.k_proj.weight"] = torch.zeros(3, 64)
+    save_file(tensors, str(file), metadata={"format": "pt"})
+    with pytest.raises(ModelError, match=r"model\.safetensors: tensor model\.layers\.0\.self_attn\.k_proj\.weight "
+                                         r"has shape \(3, 64\)"):
+        LLM(str(ckpt))
+
+
+def test_unreadable_files_are_named(ckpt):
+    (ckpt / "model.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(ModelError, match="model.safetensors: unreadable"):
+        LLM(str(ckpt))
+    (ckpt / "model.safetensors").unlink()
+    with pytest.raises(ModelError, match="no \\*.safetensors"):
+        LLM(str(ckpt))
+    (ckpt / "config.json").write_text("{broken")
+    with pytest.raises(ModelError, match="config.json: unreadable"):
+        LLM(str(ckpt))
+
+
+def test_missing_directory_is_named(tmp_path):
+    with pytest.raises(ModelError, match="config.json: not found"):
+        LLM(str(tmp_path / "nowhere"))

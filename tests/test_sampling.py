@@ -1,0 +1,100 @@
+"""Sampling: seeded requests are batch-independent; filters, stops, logprobs and finish reasons behave."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import transformers
+
+from worker.engine import LLM, SamplingParams
+from worker.engine.sampler import _filter, sample
+from worker.engine.sequence import Sequence
+
+PROMPTS = ["The zen of python", "Beautiful is better than ugly.", "Errors should never pass", "Now is better"]
+
+
+@pytest.fixture(scope="module")
+def llm(llama_dir):
+    return LLM(str(llama_dir))
+
+
+def test_seeded_request_is_the_same_alone_and_in_a_batch(llm):
+    params = SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, seed=1234)
+    alone = llm.generate(PROMPTS[0], params)[0].token_ids
+    others = [SamplingParams(max_tokens=16, temperature=1.0) for _ in PROMPTS[1:]]
+    batched = llm.generate(PROMPTS, [params, *others])[0].token_ids
+    assert alone == batched
+    reseeded = llm.generate(PROMPTS[0], SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, seed=99))
+    assert reseeded[0].token_ids != alone
+
+
+def test_top_k_one_is_greedy(llm):
+    greedy = llm.generate(PROMPTS, SamplingParams(max_tokens=12, temperature=0))
+    top1 = llm.generate(PROMPTS, SamplingParams(max_tokens=12, temperature=0.8, top_k=1, seed=3))
+    assert [o.token_ids for o in greedy] == [o.token_ids for o in top1]
+
+
+def test_filters_keep_exactly_the_allowed_tokens():
+    logits = torch.log(torch.tensor([[0.5, 0.2, 0.15, 0.1, 0.05]] * 3))
+    seqs = [Sequence(str(i), [1], p, 0.0) for i, p in enumerate([
+        SamplingParams(top_k=2), SamplingParams(top_p=0.8), SamplingParams(min_p=0.25)])]
+    kept = torch.isfinite(_filter(logits, seqs))
+    assert kept.tolist() == [[True, True, False, False, False],   # top-2
+                             [True, True, True, False, False],    # 0.5+0.2 < 0.8 <= 0.85
+                             [True, True, True, False, False]]    # p >= 0.25 * 0.5
+
+
+def test_sampling_follows_the_distribution():
+    probs = torch.tensor([0.6, 0.3, 0.1])
+    logits = probs.log().repeat(4000, 1)
+    seqs = [Sequence(str(i), [1], SamplingParams(temperature=1.0), 0.0) for i in range(4000)]
+    tokens, _ = sample(logits, seqs)
+    freq = torch.bincount(torch.tensor(tokens), minlength=3).float() / 4000
+    assert torch.allclose(freq, probs, atol=0.03)
+
+
+def test_stop_string_ends_generation_and_is_not_in_the_text(llm):
+    free = llm.generate(PROMPTS[1], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))[0]
+    assert len(free.text) > 6
+    stop = free.text[3:6]
+    out = llm.generate(PROMPTS[1], SamplingParams(max_tokens=24, temperature=0, stop=[stop], ignore_eos=True))[0]
+    assert out.finish_reason == "stop"
+    assert stop not in out.text and free.text.startswith(out.text)
+    assert out.token_ids == free.token_ids[: len(out.token_ids)] and len(out.token_ids) < len(free.token_ids)
+
+
+def test_stop_token_ids_and_length(llm):
+    free = llm.generate(PROMPTS[2], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))[0]
+    assert free.finish_reason == "length" and len(free.token_ids) == 10
+    target = free.token_ids[4]
+    out = llm.generate(PROMPTS[2], SamplingParams(max_tokens=10, temperature=0, stop_token_ids=[target]))[0]
+    assert out.finish_reason == "stop"
+    assert out.token_ids == free.token_ids[: free.token_ids.index(target) + 1]
+
+
+def test_eos_stops_unless_ignored(llm, monkeypatch):
+    free = llm.generate(PROMPTS[0], SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))[0]
+    eos = free.token_ids[5]
+    monkeypatch.setattr(llm, "eos_token_ids", {eos})  # pretend a token greedy decoding reaches is the model's eos
+    stopped = llm.generate(PROMPTS[0], SamplingParams(max_tokens=30, temperature=0))[0]
+    assert stopped.finish_reason == "stop"
+    assert stopped.token_ids == free.token_ids[: free.token_ids.index(eos) + 1]
+    ignored = llm.generate(PROMPTS[0], SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))[0]
+    assert ignored.token_ids == free.token_ids and ignored.finish_reason == "length"
+
+
+def test_logprobs_match_transformers(llm, llama_dir):
+    out = llm.generate(PROMPTS[3], SamplingParams(max_tokens=5, temperature=0, logprobs=3))[0]
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(llama_dir), dtype=torch.float32)
+    ids = torch.tensor([out.prompt_token_ids + out.token_ids])
+    with torch.no_grad():
+        ref = model(ids).logits[0].log_softmax(-1)
+    assert len(out.logprobs) == 5
+    for i, lp in enumerate(out.logprobs):
+        row = ref[len(out.prompt_token_ids) - 1 + i]
+        assert lp.token_id == out.token_ids[i]
+        assert math.isclose(lp.logprob, row[lp.token_id].item(), abs_tol=1e-4)
+        assert [t for t, _ in lp.top] == row.topk(3).indices.tolist()
+        assert lp.top[0][0] == lp.token_id  # greedy picks the top token
