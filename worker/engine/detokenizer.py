@@ -9,16 +9,17 @@ CONTEXT_TOKENS = 5  # prompt tokens decoded as context, so a first output token 
 
 def start(tokenizer, seq: Sequence) -> None:
     context = tokenizer.convert_ids_to_tokens(seq.prompt_token_ids[-(CONTEXT_TOKENS + 1):], skip_special_tokens=True)
-    seq.detok_tokens = list(context)
-    seq.prefix_offset = max(len(context) - CONTEXT_TOKENS, 0)
-    seq.read_offset = len(context)
+    seq.detok_tokens = [t for t in context if t is not None]
+    seq.prefix_offset = max(len(seq.detok_tokens) - CONTEXT_TOKENS, 0)
+    seq.read_offset = len(seq.detok_tokens)
 
 
 def append(tokenizer, seq: Sequence, token_id: int) -> str:
     """Add one generated token; return the text it completes (empty while a multi-byte character is split)."""
-    if token_id in tokenizer.all_special_ids:
+    token = tokenizer.convert_ids_to_tokens(token_id)
+    if token is None or token_id in tokenizer.all_special_ids:  # None: ids past the tokenizer (padded vocab)
         return ""
-    seq.detok_tokens.extend(tokenizer.convert_ids_to_tokens([token_id]))
+    seq.detok_tokens.append(token)
     prefix = tokenizer.convert_tokens_to_string(seq.detok_tokens[seq.prefix_offset:seq.read_offset])
     full = tokenizer.convert_tokens_to_string(seq.detok_tokens[seq.prefix_offset:])
     if len(full) <= len(prefix) or full.endswith("\ufffd"):

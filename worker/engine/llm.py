@@ -24,7 +24,11 @@ Prompt = str | list[int]
 
 
 class RequestRejected(ValueError):
-    """A request the engine can never run (too long for the model or the cache); others are unaffected."""
+    """A request the engine can never run; others are unaffected. `code` says why, in OpenAI's terms."""
+
+    def __init__(self, message: str, code: str = "invalid_prompt"):
+        super().__init__(message)
+        self.code = code
 
 
 def resolve_model(model: str) -> Path:
@@ -101,11 +105,16 @@ class LLMEngine:
         if total > self.max_model_len:
             raise RequestRejected(
                 f"prompt ({len(token_ids)} tokens) plus max_tokens ({params.max_tokens}) is {total} tokens, "
-                f"more than max_model_len ({self.max_model_len})")
+                f"more than max_model_len ({self.max_model_len})", "context_length_exceeded")
         if self.block_manager.blocks_needed(total) > self.block_manager.num_blocks:
             raise RequestRejected(
                 f"prompt plus max_tokens ({total} tokens) needs {self.block_manager.blocks_needed(total)} KV blocks; "
-                f"the cache has {self.block_manager.num_blocks}")
+                f"the cache has {self.block_manager.num_blocks}", "context_length_exceeded")
+
+    @property
+    def max_request_tokens(self) -> int:
+        """The most tokens (prompt plus max_tokens) one request may have here: the model's or the cache's limit."""
+        return min(self.max_model_len, self.block_manager.num_blocks * self.block_manager.block_size)
 
     def abort(self, request_id: str) -> bool:
         seq = self.requests.pop(request_id, None)

@@ -1,0 +1,364 @@
+"""The public formats: OpenAI batch input lines and bodies, and the output and error lines made from results.
+
+Bodies accept OpenAI's documented fields for /v1/chat/completions and /v1/completions plus four sluice extensions
+named as vLLM names them (top_k, min_p, ignore_eos, stop_token_ids). An unknown field, a wrong type or an
+out-of-range value is an error naming the field; a documented field sluice cannot honour (n > 1, stream, penalties,
+logit_bias, echo, suffix, best_of > 1, several prompts in one line) is an `unsupported_value` error. `model` is
+accepted and ignored: outputs carry the served model's name.
+
+Error codes: invalid_json_line, missing_required_parameter, unknown_parameter, invalid_value, unsupported_value,
+invalid_url, invalid_method, duplicate_custom_id, context_length_exceeded (prompt plus max_tokens longer than the
+model or the cache allows), invalid_prompt (the chat template or the engine refused the prompt, e.g. empty).
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass
+from itertools import accumulate
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_core import PydanticCustomError
+
+CHAT_URL = "/v1/chat/completions"
+COMPLETIONS_URL = "/v1/completions"
+PROMPT_FIELDS = {CHAT_URL: "body.messages", COMPLETIONS_URL: "body.prompt"}
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the rest of the context
+
+
+def _unsupported(detail: str) -> PydanticCustomError:
+    return PydanticCustomError("unsupported_value", "{detail}", {"detail": detail})
+
+
+def _invalid(detail: str) -> PydanticCustomError:
+    return PydanticCustomError("invalid_value", "{detail}", {"detail": detail})
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+
+class BatchRequestLine(_Strict):
+    custom_id: str = Field(min_length=1)
+    method: Literal["POST"]
+    url: Literal["/v1/chat/completions", "/v1/completions"]
+    body: dict[str, Any]
+
+
+class _SamplingBody(_Strict):
+    """Fields both endpoints share; null means the default, as in OpenAI's API."""
+
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    n: int | None = None
+    stop: list[Annotated[str, Field(min_length=1)]] | None = Field(None, max_length=4)
+    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    stream: bool | None = None
+    # sluice extensions
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0, le=1)
+    ignore_eos: bool | None = None
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_list(cls, v):
+        return [v] if isinstance(v, str) else v
+
+    @field_validator("n")
+    @classmethod
+    def _one_choice(cls, v):
+        if v not in (None, 1):
+            raise _unsupported(f"n={v}: one choice per request; put each extra sample on its own line")
+        return v
+
+    @field_validator("stream")
+    @classmethod
+    def _no_stream(cls, v):
+        if v:
+            raise _unsupported("stream must be false in a batch")
+        return v
+
+    @field_validator("frequency_penalty", "presence_penalty", "logit_bias")
+    @classmethod
+    def _no_penalties(cls, v):
+        if v:
+            raise _unsupported("not supported; leave it out or set it to 0")
+        return v
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k(cls, v):
+        if v == 0:
+            raise _invalid("top_k must be -1 (disabled) or >= 1")
+        return v
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str
+    name: str | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _join_text_parts(cls, v):
+        if not isinstance(v, list):
+            return v
+        for i, part in enumerate(v):
+            if not (isinstance(part, dict) and part.keys() == {"type", "text"} and part["type"] == "text"
+                    and isinstance(part["text"], str)):
+                raise _unsupported(f'part {i}: only text parts ({{"type": "text", "text": "..."}}) are supported')
+        return "\n".join(part["text"] for part in v)
+
+
+class ChatBody(_SamplingBody):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+
+    @model_validator(mode="after")
+    def _consistent(self):
+        if self.max_tokens is not None and self.max_completion_tokens is not None:
+            raise _invalid("set max_tokens or max_completion_tokens, not both")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise _invalid("top_logprobs needs logprobs: true")
+        return self
+
+
+class CompletionBody(_SamplingBody):
+    prompt: str | list[int]
+    logprobs: int | None = Field(None, ge=0, le=5)
+    echo: bool | None = None
+    suffix: str | None = None
+    best_of: int | None = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _one_prompt(cls, v):
+        if isinstance(v, list) and v and all(isinstance(p, str | list) for p in v):
+            if len(v) > 1:
+                raise _unsupported(f"{len(v)} prompts in one line; a batch line takes one prompt, put each on its own "
+                                   "line")
+            v = v[0]
+        if isinstance(v, str) or (isinstance(v, list) and v and all(type(t) is int and t >= 0 for t in v)):
+            return v
+        raise _invalid("prompt must be a string or a non-empty list of token ids (integers >= 0)")
+
+    @field_validator("echo", "suffix")
+    @classmethod
+    def _no_echo_or_suffix(cls, v):
+        if v:
+            raise _unsupported("not supported; leave it out")
+        return v
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of(cls, v):
+        if v not in (None, 1):
+            raise _unsupported(f"best_of={v}: only 1 is supported")
+        return v
+
+
+Body = ChatBody | CompletionBody
+BODIES: dict[str, type[Body]] = {CHAT_URL: ChatBody, COMPLETIONS_URL: CompletionBody}
+
+
+@dataclass
+class BatchRequest:
+    """A valid input line."""
+
+    line: int
+    custom_id: str
+    url: str
+    body: Body
+
+
+@dataclass
+class LineError:
+    """An input line that will not run; `message` starts with its line number."""
+
+    line: int
+    code: str
+    message: str
+    custom_id: str | None = None
+    param: str | None = None
+
+
+def line_error(line: int, code: str, detail: str, custom_id: str | None = None, param: str | None = None) -> LineError:
+    where = f"line {line}: {param}: " if param else f"line {line}: "
+    return LineError(line, code, where + detail, custom_id, param)
+
+
+def parse_line(raw: str | bytes, line: int) -> BatchRequest | LineError:
+    """Validate one input line (1-based `line`) on its own; duplicates are BatchValidator's business."""
+    try:
+        data = json.loads(raw)
+    except ValueError as e:
+        return line_error(line, "invalid_json_line", f"not valid JSON ({e})")
+    if not isinstance(data, dict):
+        return line_error(line, "invalid_json_line", f"a line must be a JSON object, not {type(data).__name__}")
+    custom_id = _custom_id(data)
+    try:
+        head = BatchRequestLine.model_validate(data)
+    except ValidationError as e:
+        return _validation_error(e, line, custom_id, ())
+    try:
+        body = BODIES[head.url].model_validate(head.body)
+    except ValidationError as e:
+        return _validation_error(e, line, custom_id, ("body",))
+    return BatchRequest(line, head.custom_id, head.url, body)
+
+
+def _custom_id(data: dict) -> str | None:
+    value = data.get("custom_id")
+    return value if isinstance(value, str) and value else None
+
+
+class BatchValidator:
+    """Validates a file's lines in order; a custom_id already claimed by an earlier line (valid or not) is an error,
+    so each custom_id has exactly one record across the output and error files."""
+
+    def __init__(self) -> None:
+        self.first_line: dict[str, int] = {}
+
+    def validate(self, raw: str | bytes, line: int) -> BatchRequest | LineError:
+        result = parse_line(raw, line)
+        custom_id = result.custom_id
+        if custom_id is None:
+            return result
+        first = self.first_line.setdefault(custom_id, line)
+        if first != line:
+            return line_error(line, "duplicate_custom_id", f"{custom_id!r} is already used by line {first}",
+                              custom_id, "custom_id")
+        return result
+
+
+_CODES = {"missing": "missing_required_parameter", "extra_forbidden": "unknown_parameter",
+          "unsupported_value": "unsupported_value"}
+_FIELD_CODES = {("url",): "invalid_url", ("method",): "invalid_method"}
+_DETAILS = {"missing": "required field is missing", "extra_forbidden": "unknown field"}
+
+
+def _validation_error(error: ValidationError, line: int, custom_id: str | None, prefix: tuple) -> LineError:
+    problems = error.errors(include_url=False)
+    described = []
+    for p in problems:
+        loc = ".".join(str(part) for part in prefix + p["loc"])
+        detail = _DETAILS.get(p["type"], p["msg"])
+        if p["type"] not in _DETAILS and not isinstance(p["input"], dict | list):
+            detail += f" (got {json.dumps(p['input'])})"
+        described.append(f"{loc}: {detail}" if loc else detail)
+    first = problems[0]
+    code = _FIELD_CODES.get(first["loc"]) or _CODES.get(first["type"], "invalid_value")
+    param = ".".join(str(part) for part in prefix + first["loc"]) or None
+    return LineError(line, code, f"line {line}: " + "; ".join(described), custom_id, param)
+
+
+def sampling_args(body: Body, room: int) -> dict[str, Any]:
+    """SamplingParams field values for a valid body; `room` is the context left after the prompt, chat's default
+    max_tokens (at least 1, so that a prompt filling the context is refused by the engine with its own message)."""
+    if isinstance(body, ChatBody):
+        max_tokens = body.max_completion_tokens or body.max_tokens or max(room, 1)
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    else:
+        max_tokens = body.max_tokens or COMPLETION_DEFAULT_MAX_TOKENS
+        logprobs = body.logprobs
+    optional = dict(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p,
+                    seed=body.seed, stop=body.stop, stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos)
+    return {"max_tokens": max_tokens, "logprobs": logprobs, **{k: v for k, v in optional.items() if v is not None}}
+
+
+def chat_messages(body: ChatBody) -> list[dict[str, str]]:
+    """Messages for the tokenizer's chat template; "developer" is OpenAI's newer name for "system"."""
+    return [{"role": "system" if m.role == "developer" else m.role, "content": m.content,
+             **({"name": m.name} if m.name else {})} for m in body.messages]
+
+
+@dataclass
+class TokenLogprob:
+    token: str
+    logprob: float
+    top: list[tuple[str, float]]
+
+
+@dataclass
+class Generation:
+    """A finished request in engine-neutral terms: what the response builders need."""
+
+    text: str
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    created: int
+    logprobs: list[TokenLogprob] | None = None
+
+
+def _new_id(prefix: str) -> str:
+    return prefix + uuid.uuid4().hex
+
+
+def _usage(gen: Generation) -> dict:
+    return {"prompt_tokens": gen.prompt_tokens, "completion_tokens": gen.completion_tokens,
+            "total_tokens": gen.prompt_tokens + gen.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": gen.cached_tokens}}
+
+
+def _token_entry(token: str, logprob: float) -> dict:
+    return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
+
+
+def chat_completion(gen: Generation, model: str) -> dict:
+    logprobs = None
+    if gen.logprobs is not None:
+        logprobs = {"content": [{**_token_entry(lp.token, lp.logprob),
+                                 "top_logprobs": [_token_entry(t, v) for t, v in lp.top]} for lp in gen.logprobs],
+                    "refusal": None}
+    return {
+        "id": _new_id("chatcmpl-"), "object": "chat.completion", "created": gen.created, "model": model,
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": gen.text, "refusal": None},
+                     "logprobs": logprobs, "finish_reason": gen.finish_reason}],
+        "usage": _usage(gen),
+    }
+
+
+def text_completion(gen: Generation, model: str) -> dict:
+    logprobs = None
+    if gen.logprobs is not None:
+        tokens = [lp.token for lp in gen.logprobs]
+        offsets = list(accumulate(map(len, tokens), initial=0))[:-1]  # into the completion's text
+        logprobs = {"tokens": tokens, "token_logprobs": [lp.logprob for lp in gen.logprobs],
+                    "top_logprobs": [dict(lp.top) for lp in gen.logprobs], "text_offset": offsets}
+    return {
+        "id": _new_id("cmpl-"), "object": "text_completion", "created": gen.created, "model": model,
+        "choices": [{"text": gen.text, "index": 0, "logprobs": logprobs, "finish_reason": gen.finish_reason}],
+        "usage": _usage(gen),
+    }
+
+
+RESPONSE_BUILDERS = {CHAT_URL: chat_completion, COMPLETIONS_URL: text_completion}
+
+
+def response_body(url: str, gen: Generation, model: str) -> dict:
+    return RESPONSE_BUILDERS[url](gen, model)
+
+
+def output_line(custom_id: str, body: dict) -> dict:
+    """A line of the output file: a request that succeeded."""
+    return {"id": _new_id("batch_req_"), "custom_id": custom_id,
+            "response": {"status_code": 200, "request_id": _new_id("req_"), "body": body}, "error": None}
+
+
+def error_line(error: LineError) -> dict:
+    """A line of the error file: OpenAI's per-request error, plus the batch-error fields `param` and `line`."""
+    return {"id": _new_id("batch_req_"), "custom_id": error.custom_id, "response": None,
+            "error": {"code": error.code, "message": error.message, "param": error.param, "line": error.line}}

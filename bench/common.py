@@ -1,0 +1,33 @@
+"""Shared benchmark pieces: the 91M-parameter bench Llama and a seeded mixed-length workload."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+from worker.engine.demo import build_checkpoint, cache_dir
+
+BENCH_SHAPE = dict(hidden_size=1024, num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=4,
+                   intermediate_size=2816, vocab_size=4096, max_position_embeddings=2048)
+
+
+@dataclass
+class Request:
+    prompt: list[int]
+    max_tokens: int
+
+
+def bench_model(dtype: str = "float32") -> Path:
+    """The bench Llama (hidden 1024, 8 layers, 16/4 heads, vocab 4096), built once under the user cache."""
+    path = cache_dir() / f"bench-llama-91m-{dtype}"
+    if not (path / "config.json").exists():
+        build_checkpoint(path, "LlamaForCausalLM", seed=0, dtype=dtype, **BENCH_SHAPE)
+    return path
+
+
+def workload(n: int = 64, seed: int = 0, prompt_range=(10, 200), max_tokens_range=(8, 128)) -> list[Request]:
+    rng = random.Random(seed)
+    vocab = BENCH_SHAPE["vocab_size"]
+    return [Request([rng.randrange(5, vocab) for _ in range(rng.randint(*prompt_range))],
+                    rng.randint(*max_tokens_range)) for _ in range(n)]

@@ -1,0 +1,119 @@
+"""Continuous batching vs static batching (same engine) vs transformers' padded static batches, one workload.
+
+Prints useful output tokens/s of each and the ratios, and the KV memory the workload needs from the paged cache
+versus contiguous preallocation. Run: python bench/throughput.py [--requests 64] [--batch 16] [--skip-hf]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import bench_model, workload  # noqa: E402
+
+from worker.engine import LLM, SamplingParams  # noqa: E402
+
+
+def params(req) -> SamplingParams:
+    return SamplingParams(max_tokens=req.max_tokens, temperature=0, ignore_eos=True)
+
+
+def run_continuous(llm: LLM, reqs) -> tuple[float, dict]:
+    """All requests submitted at once; returns seconds and KV occupancy samples taken every step."""
+    for i, r in enumerate(reqs):
+        llm.add_request(r.prompt, params(r), f"c{i}")
+    start = time.perf_counter()
+    kv = {"peak_blocks": 0, "slot_sum": 0, "token_sum": 0}
+    while llm.has_unfinished_requests():
+        llm.step()
+        running = llm.scheduler.running
+        used = llm.block_manager.num_used_blocks
+        kv["peak_blocks"] = max(kv["peak_blocks"], used)
+        kv["slot_sum"] += used * llm.block_manager.block_size
+        kv["token_sum"] += sum(s.num_computed_tokens for s in running)
+    return time.perf_counter() - start, kv
+
+
+def run_static(llm: LLM, reqs, batch: int) -> float:
+    """The same engine, but a batch of `batch` runs until its longest member finishes before the next joins."""
+    start = time.perf_counter()
+    for b in range(0, len(reqs), batch):
+        for i, r in enumerate(reqs[b:b + batch]):
+            llm.add_request(r.prompt, params(r), f"s{b + i}")
+        while llm.has_unfinished_requests():
+            llm.step()
+    return time.perf_counter() - start
+
+
+def run_hf(path: Path, reqs, batch: int) -> float:
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    start = time.perf_counter()
+    for b in range(0, len(reqs), batch):
+        group = reqs[b:b + batch]
+        width = max(len(r.prompt) for r in group)
+        ids = torch.tensor([[0] * (width - len(r.prompt)) + r.prompt for r in group])  # left padding
+        mask = torch.tensor([[0] * (width - len(r.prompt)) + [1] * len(r.prompt) for r in group])
+        with torch.no_grad():
+            model.generate(ids, attention_mask=mask, max_new_tokens=max(r.max_tokens for r in group),
+                           do_sample=False, eos_token_id=None, pad_token_id=0)
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--skip-hf", action="store_true")
+    args = ap.parse_args()
+    torch.set_num_threads(torch.get_num_threads())
+    path = bench_model()
+    reqs = workload(args.requests)
+    useful = sum(r.max_tokens for r in reqs)
+    llm = LLM(str(path), max_num_seqs=args.requests, max_num_batched_tokens=2048)
+    llm.generate([reqs[0].prompt], params(reqs[0]))  # warm up
+    print(f"workload: {len(reqs)} requests, prompts {min(len(r.prompt) for r in reqs)}-"
+          f"{max(len(r.prompt) for r in reqs)} tokens, max_tokens {min(r.max_tokens for r in reqs)}-"
+          f"{max(r.max_tokens for r in reqs)}, {useful} useful output tokens; {torch.get_num_threads()} threads")
+    t_cont, kv = run_continuous(llm, reqs)
+    t_static = run_static(llm, reqs, args.batch)
+    rows = [("sluice continuous batching", t_cont), (f"sluice static batches of {args.batch}", t_static)]
+    if not args.skip_hf:
+        rows.append((f"transformers generate, static {args.batch}, padded", run_hf(path, reqs, args.batch)))
+    base = rows[-1][1]
+    print(f"{'engine':45s} {'seconds':>8s} {'tok/s':>8s} {'vs last':>8s}")
+    for name, t in rows:
+        print(f"{name:45s} {t:8.1f} {useful / t:8.1f} {base / t:7.2f}x")
+    print_kv(llm, reqs, kv, args.batch)
+
+
+def print_kv(llm: LLM, reqs, kv: dict, batch: int) -> None:
+    per_token = llm.runner.bytes_per_block() // llm.block_manager.block_size
+    mib = lambda tokens: tokens * per_token / 2**20
+    paged_waste = 1 - kv["token_sum"] / kv["slot_sum"]
+    # contiguous preallocation as padded static batching does it: every row sized to the batch's longest
+    # prompt plus its largest max_tokens; the waste is what never holds a token
+    reserved = needed = 0
+    for b in range(0, len(reqs), batch):
+        group = reqs[b:b + batch]
+        reserved += len(group) * (max(len(r.prompt) for r in group) + max(r.max_tokens for r in group))
+        needed += sum(len(r.prompt) + r.max_tokens for r in group)
+    print(f"KV memory, {per_token} bytes per token:")
+    print(f"  paged cache pool reserved: {mib(llm.block_manager.num_blocks * llm.block_manager.block_size):8.1f} MiB;"
+          f" peak used: {mib(kv['peak_blocks'] * llm.block_manager.block_size):.1f} MiB;"
+          f" waste inside used blocks (mean over steps): {paged_waste:.1%}")
+    print(f"  contiguous preallocation (static {batch}, rows padded to longest prompt + max_tokens): "
+          f"waste {1 - needed / reserved:.1%}")
+    print(f"  contiguous preallocation to max_model_len ({llm.max_model_len}) for {batch} sequences: "
+          f"{mib(batch * llm.max_model_len):.1f} MiB per batch; waste "
+          f"{1 - needed / (len(reqs) * llm.max_model_len):.1%}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,99 @@
+"""api.schemas on its own: validation, the mapping onto sampling arguments, and the response shapes (no engine)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from api.schemas import (
+    CHAT_URL,
+    COMPLETIONS_URL,
+    BatchRequest,
+    BatchValidator,
+    Generation,
+    LineError,
+    TokenLogprob,
+    chat_completion,
+    chat_messages,
+    error_line,
+    parse_line,
+    sampling_args,
+    text_completion,
+)
+
+
+def line(custom_id="a", url=COMPLETIONS_URL, **body) -> str:
+    return json.dumps({"custom_id": custom_id, "method": "POST", "url": url, "body": body})
+
+
+def test_schemas_never_import_torch():
+    code = "import sys, api.schemas; assert 'torch' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_sampling_args_map_openai_fields_and_defaults():
+    chat = parse_line(line(url=CHAT_URL, messages=[{"role": "user", "content": "hi"}], logprobs=True,
+                           temperature=0, stop="\n", seed=3, top_k=5), 1)
+    assert isinstance(chat, BatchRequest)
+    assert sampling_args(chat.body, room=100) == {"max_tokens": 100, "logprobs": 0, "temperature": 0, "top_k": 5,
+                                                  "seed": 3, "stop": ["\n"]}
+    assert sampling_args(chat.body, room=-5)["max_tokens"] == 1
+    capped = parse_line(line(url=CHAT_URL, messages=[{"role": "user", "content": "hi"}], max_completion_tokens=7), 1)
+    assert sampling_args(capped.body, room=100)["max_tokens"] == 7
+    plain = parse_line(line(prompt=[[1, 2, 3]], logprobs=2, top_p=0.5), 1)
+    assert plain.body.prompt == [1, 2, 3]
+    assert sampling_args(plain.body, room=100) == {"max_tokens": 16, "logprobs": 2, "top_p": 0.5}
+
+
+def test_chat_messages_join_text_parts_and_rename_developer():
+    parts = [{"type": "text", "text": "one"}, {"type": "text", "text": "two"}]
+    request = parse_line(line(url=CHAT_URL, messages=[{"role": "developer", "content": "be brief"},
+                                                      {"role": "user", "content": parts, "name": "ann"}]), 1)
+    assert chat_messages(request.body) == [{"role": "system", "content": "be brief"},
+                                           {"role": "user", "content": "one\ntwo", "name": "ann"}]
+
+
+def test_an_invalid_line_still_claims_its_custom_id():
+    validator = BatchValidator()
+    first = validator.validate(line("x", temperature=9, prompt="p"), 1)
+    second = validator.validate(line("x", prompt="p"), 2)
+    assert isinstance(first, LineError) and first.custom_id == "x"
+    assert second.code == "duplicate_custom_id" and second.message == "line 2: custom_id: 'x' is already used by line 1"
+
+
+def test_all_problems_of_a_line_are_named():
+    error = parse_line(line(prompt="p", temperature=-1, colour="red"), 4)
+    assert error.message == ("line 4: body.temperature: Input should be greater than or equal to 0 (got -1); "
+                             "body.colour: unknown field")
+    assert (error.code, error.param) == ("invalid_value", "body.temperature")
+
+
+def generation(**kw) -> Generation:
+    return Generation(**{"text": "hi!", "finish_reason": "stop", "prompt_tokens": 4, "completion_tokens": 2,
+                         "cached_tokens": 1, "created": 1700000000, **kw})
+
+
+def test_response_shapes():
+    lps = [TokenLogprob("hi", -0.5, [("hi", -0.5), ("ho", -1.0)]), TokenLogprob("!", -0.25, [("!", -0.25)])]
+    chat = chat_completion(generation(logprobs=lps), "m")
+    assert chat["choices"][0]["message"] == {"role": "assistant", "content": "hi!", "refusal": None}
+    assert chat["usage"] == {"prompt_tokens": 4, "completion_tokens": 2, "total_tokens": 6,
+                             "prompt_tokens_details": {"cached_tokens": 1}}
+    first = chat["choices"][0]["logprobs"]["content"][0]
+    assert first == {"token": "hi", "logprob": -0.5, "bytes": [104, 105],
+                     "top_logprobs": [{"token": "hi", "logprob": -0.5, "bytes": [104, 105]},
+                                      {"token": "ho", "logprob": -1.0, "bytes": [104, 111]}]}
+    text = text_completion(generation(logprobs=lps), "m")
+    assert text["object"] == "text_completion" and text["choices"][0]["text"] == "hi!"
+    assert text["choices"][0]["logprobs"] == {"tokens": ["hi", "!"], "token_logprobs": [-0.5, -0.25],
+                                              "top_logprobs": [{"hi": -0.5, "ho": -1.0}, {"!": -0.25}],
+                                              "text_offset": [0, 2]}
+    assert text_completion(generation(), "m")["choices"][0]["logprobs"] is None
+
+
+def test_error_line_shape():
+    record = error_line(parse_line("{", 9))
+    assert record["response"] is None and record["custom_id"] is None
+    assert record["error"]["code"] == "invalid_json_line" and record["error"]["line"] == 9
+    assert record["error"]["message"].startswith("line 9: not valid JSON")

@@ -1,0 +1,196 @@
+"""`sluice run`: stream an OpenAI batch file through one engine, appending each result as it finishes.
+
+The output file is append-only and is the run's memory: a rerun skips the custom_ids already in it (after dropping a
+last line cut short by a kill). The error file is rewritten by every run, because every line that is not in the
+output is validated again.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO
+
+from jinja2 import TemplateError
+from tqdm import tqdm
+
+from api.schemas import (
+    CHAT_URL,
+    PROMPT_FIELDS,
+    BatchRequest,
+    BatchValidator,
+    Generation,
+    LineError,
+    TokenLogprob,
+    chat_messages,
+    error_line,
+    line_error,
+    output_line,
+    response_body,
+    sampling_args,
+)
+from worker.engine import LLMEngine, RequestOutput, RequestRejected, SamplingParams
+
+QUEUE_DEPTH = 4  # requests held by the engine per max_num_seqs: enough to refill every batch, with bounded memory
+
+
+class ResumeError(Exception):
+    """The output file holds lines that are not output lines; appending to it would hide that."""
+
+
+@dataclass
+class RunSummary:
+    succeeded: int = 0
+    failed: int = 0
+    skipped: int = 0
+    output_tokens: int = 0
+
+
+def finished_ids(path: Path) -> set[str]:
+    """custom_ids already in an output file; cuts off a last line left incomplete by a killed run."""
+    done: set[str] = set()
+    if not path.exists():
+        return done
+    keep, newline_missing = 0, False
+    with path.open("rb+") as f:
+        for number, raw in enumerate(f, 1):
+            custom_id = _output_custom_id(raw)
+            if custom_id is None:
+                if raw.endswith(b"\n"):
+                    raise ResumeError(f"{path}: line {number} is not an output line; will not resume into this file")
+                break
+            done.add(custom_id)
+            keep += len(raw)
+            newline_missing = not raw.endswith(b"\n")
+        f.seek(keep)
+        f.truncate()
+        if newline_missing:
+            f.write(b"\n")
+    return done
+
+
+def _output_custom_id(raw: bytes) -> str | None:
+    try:
+        record = json.loads(raw)
+    except ValueError:
+        return None
+    custom_id = record.get("custom_id") if isinstance(record, dict) else None
+    return custom_id if isinstance(custom_id, str) else None
+
+
+def count_lines(path: Path) -> int:
+    with path.open("rb") as f:
+        return sum(1 for raw in f if raw.strip())
+
+
+class BatchRun:
+    """One pass over an input file: validates lines, keeps the engine fed, writes results and errors."""
+
+    def __init__(self, engine: LLMEngine, model_name: str, output: IO[str], errors: IO[str], bar: tqdm):
+        self.engine, self.model_name = engine, model_name
+        self.output, self.errors, self.bar = output, errors, bar
+        self.pending: dict[str, BatchRequest] = {}
+        self.summary = RunSummary()
+        self.token_text: dict[int, str] = {}
+        self.context = engine.max_request_tokens
+
+    def run(self, input_path: Path, done: set[str]) -> RunSummary:
+        requests = self._requests(input_path, done)
+        window = QUEUE_DEPTH * self.engine.config.max_num_seqs
+        start = time.perf_counter()
+        while True:
+            while len(self.pending) < window and (request := next(requests, None)) is not None:
+                self._submit(request)
+            if not self.engine.has_unfinished_requests():
+                return self.summary
+            outputs = self.engine.step()
+            self.summary.output_tokens += len(outputs)
+            for out in outputs:
+                if out.finished:
+                    self._finish(out)
+            rate = self.summary.output_tokens / max(time.perf_counter() - start, 1e-9)
+            self.bar.set_postfix_str(f"{rate:.1f} output tok/s, {self.summary.failed} failed", refresh=False)
+
+    def _requests(self, path: Path, done: set[str]) -> Iterator[BatchRequest]:
+        """Valid lines not yet in the output; invalid ones become error lines on the way."""
+        validator = BatchValidator()
+        with path.open("rb") as f:
+            for number, raw in enumerate(f, 1):
+                if not raw.strip():
+                    continue
+                result = validator.validate(raw, number)
+                if isinstance(result, LineError):
+                    self._fail(result)
+                elif result.custom_id in done:
+                    self.summary.skipped += 1
+                    self.bar.update()
+                else:
+                    yield result
+
+    def _submit(self, request: BatchRequest) -> None:
+        if request.url == CHAT_URL:
+            try:
+                token_ids = self.engine.encode_chat(chat_messages(request.body))
+            except (TemplateError, ValueError) as e:
+                self._fail(line_error(request.line, "invalid_prompt", f"the chat template failed: {e}",
+                                      request.custom_id, "body.messages"))
+                return
+        else:
+            token_ids = self.engine.encode(request.body.prompt)
+        try:
+            params = SamplingParams(**sampling_args(request.body, self.context - len(token_ids)))
+            self.engine.add_request(token_ids, params, request_id=request.custom_id)
+        except RequestRejected as e:
+            self._fail(line_error(request.line, e.code, str(e), request.custom_id,
+                                  PROMPT_FIELDS[request.url]))
+            return
+        except ValueError as e:  # the schema's limits should already match SamplingParams'; never lose the batch
+            self._fail(line_error(request.line, "invalid_value", str(e), request.custom_id, "body"))
+            return
+        self.pending[request.custom_id] = request
+
+    def _finish(self, out: RequestOutput) -> None:
+        request = self.pending.pop(out.request_id)
+        body = response_body(request.url, self._generation(out), self.model_name)
+        _append(self.output, output_line(request.custom_id, body))
+        self.summary.succeeded += 1
+        self.bar.update()
+
+    def _fail(self, error: LineError) -> None:
+        _append(self.errors, error_line(error))
+        self.summary.failed += 1
+        self.bar.update()
+
+    def _generation(self, out: RequestOutput) -> Generation:
+        logprobs = None
+        if out.logprobs is not None:
+            logprobs = [TokenLogprob(self._token(lp.token_id), lp.logprob, [(self._token(t), v) for t, v in lp.top])
+                        for lp in out.logprobs]
+        return Generation(text=out.text, finish_reason=out.finish_reason, prompt_tokens=len(out.prompt_token_ids),
+                          completion_tokens=len(out.token_ids), cached_tokens=out.num_cached_tokens,
+                          created=int(out.metrics.finish_time or time.time()), logprobs=logprobs)
+
+    def _token(self, token_id: int) -> str:
+        if token_id not in self.token_text:
+            self.token_text[token_id] = self.engine.tokenizer.decode([token_id])
+        return self.token_text[token_id]
+
+
+def _append(f: IO[str], record: dict) -> None:
+    f.write(json.dumps(record, ensure_ascii=False) + "\n")
+    f.flush()
+
+
+def run_batch(input_path: Path, output_path: Path, errors_path: Path, engine: LLMEngine, model_name: str,
+              done: set[str]) -> RunSummary:
+    """Run every line of input_path whose custom_id is not in `done` (see finished_ids)."""
+    # on a terminal the bar redraws in place; in a log file each redraw is a new record, so draw rarely
+    interval = 0.1 if sys.stderr.isatty() else 30
+    with (output_path.open("a", encoding="utf-8") as output, errors_path.open("w", encoding="utf-8") as errors,
+          tqdm(total=count_lines(input_path), unit="req", desc="requests", file=sys.stderr,
+               mininterval=interval) as bar):
+        return BatchRun(engine, model_name, output, errors, bar).run(input_path, done)
