@@ -1,0 +1,203 @@
+"""Paged decode attention (one query token per sequence), GQA-grouped and split along the context (flash decoding)."""
+
+import torch
+
+from kernels._triton import cdiv, dot_precision, next_pow2, tl, triton
+from kernels.paged import LOG2E, check_kv_cache
+from kernels.quant import dequantize_kv_int8
+
+BLOCK_N = 64  # context tokens per inner step; independent of the cache's block_size
+PARTITION_TOKENS = 512  # context one program handles before the work is split across programs
+MAX_SPLITS = 32
+
+
+@triton.jit
+def _decode_partial_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr, context_lens_ptr,
+    out_ptr, part_out_ptr, part_lse_ptr,
+    qk_scale, partition_size, num_heads, num_splits,
+    stride_qs, stride_qh, stride_qd,
+    stride_cb, stride_co, stride_ch, stride_cd,
+    stride_sb, stride_so, stride_sh,
+    stride_bt,
+    stride_os, stride_oh, stride_od,
+    BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+    INT8_KV: tl.constexpr, SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    part = tl.program_id(2)
+    context_len = tl.load(context_lens_ptr + seq)
+    start = part * partition_size
+    if start >= context_len:
+        return  # the reduce kernel ignores partitions past the context
+    end = tl.minimum(start + partition_size, context_len)
+
+    # All query heads that share this KV head: each K/V tile is read once for the whole group.
+    g = tl.arange(0, GROUP_PAD)
+    heads = kv_head * GROUP + g
+    d = tl.arange(0, DIM_PAD)
+    q_mask = (g[:, None] < GROUP) & (d[None, :] < HEAD_DIM)
+    q = tl.load(q_ptr + seq * stride_qs + heads[:, None] * stride_qh + d[None, :] * stride_qd, mask=q_mask, other=0.0)
+
+    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        pos = n0 + tl.arange(0, BLOCK_N)
+        valid = pos < end
+        page = tl.load(block_tables_ptr + seq * stride_bt + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+        row = page * stride_cb + (pos % BLOCK_SIZE) * stride_co + kv_head * stride_ch
+        kv_mask = valid[:, None] & (d[None, :] < HEAD_DIM)
+        k = tl.load(k_cache_ptr + row[:, None] + d[None, :] * stride_cd, mask=kv_mask, other=0)
+        v = tl.load(v_cache_ptr + row[:, None] + d[None, :] * stride_cd, mask=kv_mask, other=0)
+        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION)
+        if INT8_KV:
+            srow = page * stride_sb + (pos % BLOCK_SIZE) * stride_so + kv_head * stride_sh
+            # The per-token K scale factors out of the dot product over head_dim: apply it to the fp32 scores.
+            s = s * tl.load(k_scale_ptr + srow, mask=valid, other=0.0)[None, :]
+            v_scale = tl.load(v_scale_ptr + srow, mask=valid, other=0.0)
+            v = (v.to(tl.float32) * v_scale[:, None]).to(q.dtype)
+        s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    out = acc / l_i[:, None]
+    if SPLIT:  # partials are contiguous [seqs, heads, splits(, head_dim)]
+        part_row = (seq * num_heads + heads) * num_splits + part
+        tl.store(part_out_ptr + part_row[:, None] * HEAD_DIM + d[None, :], out, mask=q_mask)
+        tl.store(part_lse_ptr + part_row, m_i + tl.log2(l_i), mask=g < GROUP)
+    else:
+        o_ptr = out_ptr + seq * stride_os + heads[:, None] * stride_oh + d[None, :] * stride_od
+        tl.store(o_ptr, out.to(out_ptr.dtype.element_ty), mask=q_mask)
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    part_out_ptr, part_lse_ptr, context_lens_ptr, out_ptr, partition_size, num_heads, num_splits,
+    stride_os, stride_oh, stride_od,
+    HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    num_parts = tl.cdiv(tl.load(context_lens_ptr + seq), partition_size)
+    p = tl.arange(0, SPLITS_PAD)
+    d = tl.arange(0, DIM_PAD)
+    part_row = (seq * num_heads + head) * num_splits + p
+    lse = tl.load(part_lse_ptr + part_row, mask=p < num_parts, other=float("-inf"))
+    w = tl.exp2(lse - tl.max(lse, axis=0))
+    o = tl.load(part_out_ptr + part_row[:, None] * HEAD_DIM + d[None, :],
+                mask=(p[:, None] < num_parts) & (d[None, :] < HEAD_DIM), other=0.0)
+    out = tl.sum(w[:, None] * o, axis=0) / tl.sum(w, axis=0)
+    tl.store(out_ptr + seq * stride_os + head * stride_oh + d * stride_od, out.to(out_ptr.dtype.element_ty),
+             mask=d < HEAD_DIM)
+
+
+def _check(q, k_cache, v_cache, block_tables, context_lens, k_scale, v_scale) -> bool:
+    """Validates shapes and returns whether the cache is INT8."""
+    num_seqs, num_heads, head_dim = q.shape
+    quantized = check_kv_cache("decode attention", k_cache, v_cache, None, head_dim, k_scale, v_scale)
+    if num_heads % k_cache.shape[2]:
+        raise ValueError(f"decode attention: num_heads={num_heads} must be a multiple of kv_heads={k_cache.shape[2]}")
+    if block_tables.shape[0] != num_seqs or context_lens.shape != (num_seqs,):
+        raise ValueError(f"decode attention: block_tables and context_lens must have {num_seqs} rows")
+    return quantized
+
+
+def num_splits_for(max_context_len: int) -> int:
+    """Splits along the context: one per PARTITION_TOKENS, capped so the reduce stays small."""
+    return max(1, min(cdiv(max_context_len, PARTITION_TOKENS), MAX_SPLITS))
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """q [seqs, heads, dim] at position context_len - 1 attends to its whole context -> [seqs, heads, dim].
+
+    num_splits defaults to num_splits_for(block_tables width * block_size): the table width bounds the longest
+    context without reading context_lens back to the host. Rows with context_len 0 (batch padding) are left
+    unspecified.
+    """
+    quantized = _check(q, k_cache, v_cache, block_tables, context_lens, k_scale, v_scale)
+    num_seqs, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    out = torch.empty_like(q) if out is None else out
+    if num_seqs == 0:
+        return out
+    max_context = block_tables.shape[1] * block_size
+    num_splits = num_splits_for(max_context) if num_splits is None else num_splits
+    if num_splits < 1:
+        raise ValueError(f"decode attention: num_splits={num_splits} must be at least 1")
+    partition_size = cdiv(cdiv(max_context, num_splits), BLOCK_N) * BLOCK_N
+    num_splits = cdiv(max_context, partition_size)  # no partition that is always empty
+    group = num_heads // num_kv_heads
+    dim_pad = max(16, next_pow2(head_dim))  # tl.dot needs K >= 16
+    if num_splits > 1:
+        part_out = torch.empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
+        part_lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=q.device)
+    else:
+        part_out, part_lse = out, out  # not written: the kernel normalizes straight into out
+    scales = (k_scale, v_scale) if quantized else (k_cache, k_cache)  # stand-ins are never read
+    _decode_partial_kernel[(num_seqs, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, *scales, block_tables, context_lens, out, part_out, part_lse,
+        scale * LOG2E, partition_size, num_heads, num_splits,
+        *q.stride(), *k_cache.stride(), *scales[0].stride()[:3], block_tables.stride(0), *out.stride(),
+        BLOCK_SIZE=block_size, GROUP=group, GROUP_PAD=max(16, next_pow2(group)),  # tl.dot needs M >= 16
+        HEAD_DIM=head_dim, DIM_PAD=dim_pad, BLOCK_N=BLOCK_N,
+        INT8_KV=quantized, SPLIT=num_splits > 1, DOT_PRECISION=dot_precision(q.dtype),
+        num_warps=4, num_stages=2,
+    )
+    if num_splits > 1:
+        _decode_reduce_kernel[(num_seqs, num_heads)](
+            part_out, part_lse, context_lens, out, partition_size, num_heads, num_splits, *out.stride(),
+            HEAD_DIM=head_dim, DIM_PAD=dim_pad, SPLITS_PAD=next_pow2(num_splits), num_warps=4,
+        )
+    return out
+
+
+def paged_decode_attention_ref(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """Reference: gathers each sequence's context and runs softmax(q k^T * scale) v in float32.
+
+    num_splits is accepted for signature parity; splitting does not change the result.
+    """
+    quantized = _check(q, k_cache, v_cache, block_tables, context_lens, k_scale, v_scale)
+    num_heads, block_size, num_kv_heads = q.shape[1], k_cache.shape[1], k_cache.shape[2]
+    out = torch.empty_like(q) if out is None else out
+    for i, n in enumerate(context_lens.tolist()):
+        pos = torch.arange(n, device=q.device)
+        pages, offsets = block_tables[i, pos // block_size].long(), pos % block_size
+        k, v = k_cache[pages, offsets], v_cache[pages, offsets]  # [n, kv_heads, dim]
+        if quantized:
+            k = dequantize_kv_int8(k, k_scale[pages, offsets], torch.float32)
+            v = dequantize_kv_int8(v, v_scale[pages, offsets], torch.float32)
+        group = num_heads // num_kv_heads
+        k = k.float().repeat_interleave(group, dim=1)
+        v = v.float().repeat_interleave(group, dim=1)
+        scores = torch.einsum("hd,nhd->hn", q[i].float(), k) * scale
+        out[i] = torch.einsum("hn,nhd->hd", scores.softmax(dim=-1), v).to(out.dtype)
+    return out

@@ -1,0 +1,167 @@
+"""Paged causal prefill attention over packed variable-length queries (chunked prefill and cached prefixes)."""
+
+import torch
+
+from kernels._triton import dot_precision, next_pow2, tl, triton
+from kernels.paged import LOG2E, check_kv_cache
+from kernels.quant import dequantize_kv_int8
+
+BLOCK_M = 64  # query tokens per program
+BLOCK_N = 64  # keys per inner step
+
+
+@triton.jit
+def _find_seq(cu_seqlens_ptr, block_id, num_seqs, BLOCK_M: tl.constexpr):
+    """Sequence owning query block block_id; sequence b's blocks start at cu_seqlens[b] // BLOCK_M + b."""
+    lo = 0
+    hi = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if tl.load(cu_seqlens_ptr + mid) // BLOCK_M + mid <= block_id:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr, cu_seqlens_ptr, context_lens_ptr,
+    out_ptr, qk_scale, num_seqs,
+    stride_qt, stride_qh, stride_qd,
+    stride_cb, stride_co, stride_ch, stride_cd,
+    stride_sb, stride_so, stride_sh,
+    stride_bt,
+    stride_ot, stride_oh, stride_od,
+    BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INT8_KV: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    # The grid has one spare block per sequence so it can be sized without reading cu_seqlens on the host.
+    block_id = tl.program_id(0)
+    head = tl.program_id(1)
+    kv_head = head // GROUP
+    seq = _find_seq(cu_seqlens_ptr, block_id, num_seqs, BLOCK_M)
+    q_start = tl.load(cu_seqlens_ptr + seq)
+    q_len = tl.load(cu_seqlens_ptr + seq + 1) - q_start
+    first_row = (block_id - q_start // BLOCK_M - seq) * BLOCK_M
+    if first_row >= q_len:
+        return
+    context_len = tl.load(context_lens_ptr + seq)
+    prefix = context_len - q_len  # cached tokens before this step's queries
+
+    rows = first_row + tl.arange(0, BLOCK_M)
+    d = tl.arange(0, DIM_PAD)
+    q_mask = (rows[:, None] < q_len) & (d[None, :] < HEAD_DIM)
+    q_off = (q_start + rows)[:, None] * stride_qt + head * stride_qh + d[None, :] * stride_qd
+    q = tl.load(q_ptr + q_off, mask=q_mask, other=0.0)
+    q_pos = prefix + rows  # rows past q_len see the whole range, so they stay finite; they are not stored
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, DIM_PAD], tl.float32)
+    kv_end = tl.minimum(context_len, prefix + first_row + BLOCK_M)  # keys after the block's last query are masked
+    for n0 in range(0, kv_end, BLOCK_N):
+        pos = n0 + tl.arange(0, BLOCK_N)
+        valid = pos < kv_end
+        page = tl.load(block_tables_ptr + seq * stride_bt + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+        row = page * stride_cb + (pos % BLOCK_SIZE) * stride_co + kv_head * stride_ch
+        kv_mask = valid[:, None] & (d[None, :] < HEAD_DIM)
+        k = tl.load(k_cache_ptr + row[:, None] + d[None, :] * stride_cd, mask=kv_mask, other=0)
+        v = tl.load(v_cache_ptr + row[:, None] + d[None, :] * stride_cd, mask=kv_mask, other=0)
+        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION)
+        if INT8_KV:
+            srow = page * stride_sb + (pos % BLOCK_SIZE) * stride_so + kv_head * stride_sh
+            # The per-token K scale factors out of the dot product over head_dim: apply it to the fp32 scores.
+            s = s * tl.load(k_scale_ptr + srow, mask=valid, other=0.0)[None, :]
+            v_scale = tl.load(v_scale_ptr + srow, mask=valid, other=0.0)
+            v = (v.to(tl.float32) * v_scale[:, None]).to(q.dtype)
+        causal = valid[None, :] & (pos[None, :] <= q_pos[:, None])
+        s = tl.where(causal, s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: key 0 is visible to every row from the first step
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    o_off = (q_start + rows)[:, None] * stride_ot + head * stride_oh + d[None, :] * stride_od
+    tl.store(out_ptr + o_off, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=q_mask)
+
+
+def _check(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, k_scale, v_scale) -> bool:
+    """Validates shapes and returns whether the cache is INT8."""
+    num_heads, head_dim = q.shape[1:]
+    quantized = check_kv_cache("prefill attention", k_cache, v_cache, None, head_dim, k_scale, v_scale)
+    if num_heads % k_cache.shape[2]:
+        raise ValueError(f"prefill attention: num_heads={num_heads} must be a multiple of kv_heads={k_cache.shape[2]}")
+    num_seqs = cu_seqlens_q.shape[0] - 1
+    if block_tables.shape[0] != num_seqs or context_lens.shape != (num_seqs,):
+        raise ValueError(f"prefill attention: block_tables and context_lens need {num_seqs} rows (cu_seqlens_q - 1)")
+    return quantized
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """q [total_q, heads, dim], packed by cu_seqlens_q; query i of sequence b sits at context_lens[b] - q_len_b + i
+    and attends causally to the paged cache (which already holds this step's K/V) -> [total_q, heads, dim]."""
+    quantized = _check(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, k_scale, v_scale)
+    total_q, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    num_seqs = cu_seqlens_q.shape[0] - 1
+    out = torch.empty_like(q) if out is None else out
+    if total_q == 0:
+        return out
+    scales = (k_scale, v_scale) if quantized else (k_cache, k_cache)  # stand-ins are never read
+    _prefill_kernel[(total_q // BLOCK_M + num_seqs, num_heads)](
+        q, k_cache, v_cache, *scales, block_tables, cu_seqlens_q, context_lens, out, scale * LOG2E, num_seqs,
+        *q.stride(), *k_cache.stride(), *scales[0].stride()[:3], block_tables.stride(0), *out.stride(),
+        BLOCK_SIZE=block_size, GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim,
+        DIM_PAD=max(16, next_pow2(head_dim)), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+        INT8_KV=quantized, DOT_PRECISION=dot_precision(q.dtype), num_warps=4, num_stages=2,
+    )
+    return out
+
+
+def paged_prefill_attention_ref(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Reference: per sequence, gathers the context and runs masked softmax attention in float32."""
+    quantized = _check(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, k_scale, v_scale)
+    num_heads, block_size, num_kv_heads = q.shape[1], k_cache.shape[1], k_cache.shape[2]
+    out = torch.empty_like(q) if out is None else out
+    bounds = cu_seqlens_q.tolist()
+    for i, n in enumerate(context_lens.tolist()):
+        start, end = bounds[i], bounds[i + 1]
+        pos = torch.arange(n, device=q.device)
+        pages, offsets = block_tables[i, pos // block_size].long(), pos % block_size
+        k, v = k_cache[pages, offsets], v_cache[pages, offsets]  # [n, kv_heads, dim]
+        if quantized:
+            k = dequantize_kv_int8(k, k_scale[pages, offsets], torch.float32)
+            v = dequantize_kv_int8(v, v_scale[pages, offsets], torch.float32)
+        group = num_heads // num_kv_heads
+        k = k.float().repeat_interleave(group, dim=1)
+        v = v.float().repeat_interleave(group, dim=1)
+        q_pos = torch.arange(n - (end - start), n, device=q.device)
+        scores = torch.einsum("thd,nhd->htn", q[start:end].float(), k) * scale
+        scores = scores.masked_fill(pos[None, None, :] > q_pos[None, :, None], float("-inf"))
+        out[start:end] = torch.einsum("htn,nhd->thd", scores.softmax(dim=-1), v).to(out.dtype)
+    return out
