@@ -90,7 +90,32 @@ def main() -> None:
     print(f"{'engine':45s} {'seconds':>8s} {'tok/s':>8s} {'vs last':>8s}")
     for name, t in rows:
         print(f"{name:45s} {t:8.1f} {useful / t:8.1f} {base / t:7.2f}x")
+    print_roofline(llm, reqs, useful, base)
     print_kv(llm, reqs, kv, args.batch)
+
+
+def matmul_peak(dtype=torch.float32) -> float:
+    """FLOP/s of a large GEMM of this model's MLP shape, measured now: the machine's compute ceiling."""
+    a, b = torch.randn(2048, 1024, dtype=dtype), torch.randn(2816, 1024, dtype=dtype)
+    for _ in range(3):
+        a @ b.T
+    start = time.perf_counter()
+    for _ in range(10):
+        a @ b.T
+    return 10 * 2 * 2048 * 1024 * 2816 / (time.perf_counter() - start)
+
+
+def print_roofline(llm: LLM, reqs, useful: int, baseline_seconds: float) -> None:
+    """Every prompt token and every output token costs 2 FLOPs per matmul weight: the least work possible."""
+    c = llm.model_config
+    layer = c.hidden_size * (c.num_heads + 2 * c.num_kv_heads) * c.head_dim + c.num_heads * c.head_dim * c.hidden_size
+    layer += 3 * c.hidden_size * c.intermediate_size
+    per_token = 2 * c.num_layers * layer
+    flops = per_token * sum(len(r.prompt) + r.max_tokens for r in reqs) + 2 * c.hidden_size * c.vocab_size * useful
+    peak = matmul_peak()
+    ceiling = useful / (flops / peak)
+    print(f"compute ceiling: {flops / 1e12:.2f} TFLOP of matmuls at the measured fp32 GEMM peak of {peak / 1e9:.0f} "
+          f"GFLOP/s = {ceiling:.0f} tok/s at most ({ceiling * baseline_seconds / useful:.2f}x the last row)")
 
 
 def print_kv(llm: LLM, reqs, kv: dict, batch: int) -> None:

@@ -112,3 +112,10 @@ def test_arrival_time_is_kept(llm):
     t = time.time() - 10
     llm.add_request("x", SamplingParams(max_tokens=1), "timed", arrival_time=t)
     assert drain(llm)["timed"].metrics.arrival_time == t
+
+
+def test_kv_cache_memory_sets_the_number_of_blocks(llama_dir):
+    per_block = 2 * 2 * 16 * 2 * 16 * 4  # K and V, layers, block_size, kv heads, head_dim, float32
+    llm = LLM(str(llama_dir), kv_cache_memory=10 * per_block + 100)
+    assert llm.stats()["kv_blocks_total"] == 10
+    assert llm.stats()["kv_cache_bytes"] == 10 * per_block

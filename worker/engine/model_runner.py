@@ -71,6 +71,8 @@ class ModelRunner:
         return self.model.compute_logits(hidden[logits_rows]), sample_seqs
 
     def _prepare(self, scheduled: list[tuple[Sequence, int]]):
+        # single-token rows first, sorted by context so the attention backend's decode buckets pad little
+        scheduled = sorted(scheduled, key=lambda item: (item[1] != 1, item[0].num_computed_tokens))
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []

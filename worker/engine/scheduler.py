@@ -12,7 +12,7 @@ from worker.engine.sequence import Sequence, SequenceStatus
 
 @dataclass
 class SchedulerOutput:
-    """This step's work: each sequence with its number of new tokens; single-token rows come first."""
+    """This step's work: each sequence with its number of new tokens."""
 
     scheduled: list[tuple[Sequence, int]] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
@@ -61,9 +61,8 @@ class Scheduler:
             step.run_decodes()
             step.run_prefills()
             step.admit_waiting()
-        out = step.out
-        out.scheduled = sorted(step.scheduled.items(), key=lambda item: item[1] != 1)
-        return out
+        step.out.scheduled = list(step.scheduled.items())
+        return step.out
 
     def preempt(self, seq: Sequence) -> None:
         """Give a running sequence's blocks back; it is recomputed from scratch when readmitted."""
