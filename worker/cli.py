@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -10,7 +11,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from worker.engine import LLMEngine
 
-ENGINE_FLAGS = ("dtype", "device", "max_num_seqs", "max_num_batched_tokens", "num_kv_blocks", "block_size")
+ENGINE_FLAGS = ("dtype", "device", "max_num_seqs", "max_num_batched_tokens", "num_kv_blocks", "block_size",
+                "quantization", "quantization_group_size", "kv_cache_dtype")
 
 
 class UsageError(Exception):
@@ -30,6 +32,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="sluice", description="Self-hosted batch LLM inference.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     add_run_parser(commands)
+    add_db_parser(commands)
+    add_submit_parser(commands)
+    add_status_parser(commands)
+    add_results_parser(commands)
     return parser
 
 
@@ -46,6 +52,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-num-batched-tokens", type=int, metavar="N", help="most tokens in one step")
     group.add_argument("--num-kv-blocks", type=int, metavar="N", help="KV cache size in blocks (default: from memory)")
     group.add_argument("--block-size", type=int, metavar="N", help="tokens per KV cache block")
+    group.add_argument("--quantization", choices=["int8", "int4"], help="weight-only quantization, applied on load")
+    group.add_argument("--quantization-group-size", type=int, choices=[32, 64, 128], metavar="N",
+                       help="int4 group size along the input dimension (default 128)")
+    group.add_argument("--kv-cache-dtype", choices=["auto", "int8"], help="int8 holds about twice the tokens")
 
 
 def load_engine(args: argparse.Namespace) -> LLMEngine:
@@ -81,8 +91,12 @@ def add_run_parser(commands) -> None:
     parser.set_defaults(handler=run_command)
 
 
+def default_errors_path(output: Path) -> Path:
+    return output.with_name(output.name.removesuffix(".jsonl") + ".errors.jsonl")
+
+
 def run_command(args: argparse.Namespace) -> int:
-    errors = args.errors or args.output.with_name(args.output.name.removesuffix(".jsonl") + ".errors.jsonl")
+    errors = args.errors or default_errors_path(args.output)
     if not args.input.is_file():
         raise UsageError(f"input file {args.input} not found")
     for path in (args.output, errors):
@@ -109,3 +123,146 @@ def run_command(args: argparse.Namespace) -> int:
           + (f" (see {errors})" if summary.failed else "")
           + (f", {summary.skipped} already in {args.output}" if summary.skipped else ""), file=sys.stderr)
     return 1 if summary.failed else 0
+
+
+# The commands below talk to the database (SLUICE_DATABASE_URL, default sqlite:///./.sluice/sluice.db) and the broker
+# (SLUICE_BROKER_URL); they import api/ only, never the engine.
+
+
+def add_db_parser(commands) -> None:
+    parser = commands.add_parser("db", help="manage the database of SLUICE_DATABASE_URL")
+    actions = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
+    actions.add_parser("upgrade", help="apply the schema migrations (safe to repeat)").set_defaults(
+        handler=db_upgrade_command)
+
+
+def db_upgrade_command(args: argparse.Namespace) -> int:
+    from sqlalchemy.exc import SQLAlchemyError
+
+    from api import db
+
+    engine = db.make_engine()
+    try:
+        db.upgrade(engine)
+    except SQLAlchemyError as e:
+        raise UsageError(f"cannot migrate {engine.url!r}: {e}") from None
+    print(f"sluice db: {engine.url!r} is at the latest schema", file=sys.stderr)
+    return 0
+
+
+def add_submit_parser(commands) -> None:
+    parser = commands.add_parser(
+        "submit", help="submit an OpenAI batch file to the queue",
+        description="Store INPUT.jsonl, create a batch of its lines and queue them for the workers of the batch's "
+                    "model. Prints the batch id as the last line. Bad lines go to the batch's error file; the batch "
+                    "fails only if the file is unusable (exit code 1).")
+    parser.add_argument("input", type=Path, metavar="INPUT.jsonl")
+    parser.add_argument("--model", metavar="NAME",
+                        help="the served model name to run on (default: the `model` of the lines, one for all)")
+    # defaults (priority 5, tenant 'local') live in api.store, which --help does not import
+    parser.add_argument("--priority", type=int, metavar="N", help="0 runs first, 9 last (default 5)")
+    parser.add_argument("--completion-window", default="24h", metavar="HOURS",
+                        help="expire what has not run after this long, e.g. 24h (default)")
+    parser.add_argument("--tenant", metavar="NAME", help="the owner of the batch, created if new (default 'local')")
+    parser.set_defaults(handler=submit_command)
+
+
+def submit_command(args: argparse.Namespace) -> int:
+    if not args.input.is_file():
+        raise UsageError(f"input file {args.input} not found")
+    from kombu.exceptions import OperationalError
+
+    from api import db, queue, store
+
+    priority = store.DEFAULT_PRIORITY if args.priority is None else args.priority
+    sessions = db.session_factory(db.make_engine())
+    try:
+        with sessions.begin() as session:
+            tenant = store.get_or_create_tenant(session, args.tenant or store.DEFAULT_TENANT)
+            file = store.store_file(session, tenant.id, args.input.name, "batch", args.input.read_bytes())
+            batch, work = store.create_batch(session, tenant.id, file.id, model=args.model,
+                                             completion_window=args.completion_window, priority=priority)
+            waiting = work is not None and not store.live_workers(session, work.model)
+    except store.StoreError as e:
+        raise UsageError(str(e)) from None
+    code = 0
+    if batch.status == "failed":
+        print(f"sluice submit: batch failed: {batch.errors[0]['message']}", file=sys.stderr)
+        code = 1
+    else:
+        print(f"sluice submit: {batch.request_total - batch.request_failed} requests queued for model "
+              f"{batch.model!r}, {batch.request_failed} invalid (see `sluice results {batch.id} --errors`)",
+              file=sys.stderr)
+    if work is not None:
+        try:
+            queue.publish_chunks(queue.make_app(), [work])
+        except OperationalError as e:
+            print(f"sluice submit: the batch is stored but the broker refused its messages ({e}); the reconciler "
+                  "will send them", file=sys.stderr)
+            code = 1
+    if waiting:
+        print(f"sluice submit: no live worker serves {batch.model!r} yet; the requests wait until one starts",
+              file=sys.stderr)
+    print(batch.id)
+    return code
+
+
+def add_status_parser(commands) -> None:
+    parser = commands.add_parser("status", help="print a batch as JSON (OpenAI's Batch object)")
+    parser.add_argument("batch_id", metavar="BATCH_ID")
+    parser.set_defaults(handler=status_command)
+
+
+def status_command(args: argparse.Namespace) -> int:
+    from api import db, store
+
+    with db.session_factory(db.make_engine()).begin() as session:
+        try:
+            view = store.batch_view(session, store.get_batch(session, args.batch_id))
+        except store.NotFound as e:
+            raise UsageError(str(e)) from None
+    print(json.dumps(view, indent=2))
+    return 0
+
+
+def add_results_parser(commands) -> None:
+    parser = commands.add_parser(
+        "results", help="write a batch's output and error files",
+        description="Write the batch's results in the line format of `sluice run`, in input order. While the batch "
+                    "runs, the files hold what has finished so far.")
+    parser.add_argument("batch_id", metavar="BATCH_ID")
+    parser.add_argument("-o", "--output", type=Path, required=True, metavar="OUTPUT.jsonl",
+                        help="successful requests, overwritten")
+    parser.add_argument("--errors", type=Path, metavar="ERRORS.jsonl",
+                        help="failed requests and invalid lines (default: OUTPUT's name with .errors.jsonl)")
+    parser.set_defaults(handler=results_command)
+
+
+def results_command(args: argparse.Namespace) -> int:
+    errors = args.errors or default_errors_path(args.output)
+    for path in (args.output, errors):
+        if not path.parent.is_dir():
+            raise UsageError(f"directory {path.parent} not found")
+    if args.output.resolve() == errors.resolve():
+        raise UsageError("the output and error files must differ")
+    from api import db, store
+
+    with db.session_factory(db.make_engine()).begin() as session:
+        try:
+            batch = store.get_batch(session, args.batch_id)
+        except store.NotFound as e:
+            raise UsageError(str(e)) from None
+        written = [_write_jsonl(args.output, store.output_lines(session, batch.id)),
+                   _write_jsonl(errors, store.error_lines(session, batch.id))]
+    print(f"sluice results: {written[0]} output lines in {args.output}, {written[1]} error lines in {errors}; "
+          f"the batch is {batch.status}", file=sys.stderr)
+    return 0
+
+
+def _write_jsonl(path: Path, records) -> int:
+    count = 0
+    with path.open("w", encoding="utf-8") as f:
+        for record in records:
+            f.write(json.dumps(record, ensure_ascii=False) + "\n")
+            count += 1
+    return count

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -12,6 +13,7 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CPU_DEFAULT_KV_CACHE_MEMORY = 1 << 30
 CUDA_MEMORY_FRACTION = 0.9
+BACKENDS = ("auto", "torch", "triton")
 
 
 class ModelError(ValueError):
@@ -104,6 +106,13 @@ class EngineConfig:
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     scheduling_policy: str = "decode_first"
+    quantization: str | None = None
+    quantization_group_size: int = 128
+    quantize_lm_head: bool = False
+    kv_cache_dtype: str = "auto"
+    attention_backend: str = "auto"
+    linear_backend: str = "auto"
+    load_format: str = "auto"
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:
@@ -115,11 +124,31 @@ class EngineConfig:
                 raise ValueError(f"{name} must be >= 1")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError("num_kv_blocks must be >= 1")
+        if self.quantization not in (None, "int8", "int4"):
+            raise ValueError(f"quantization must be None, 'int8' or 'int4', got {self.quantization!r}")
+        if self.kv_cache_dtype not in ("auto", "int8"):
+            raise ValueError(f"kv_cache_dtype must be 'auto' (the model dtype) or 'int8', got {self.kv_cache_dtype!r}")
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format must be 'auto' (safetensors) or 'dummy' (random, for benchmarks), "
+                             f"got {self.load_format!r}")
+        for name in ("attention_backend", "linear_backend"):
+            if getattr(self, name) not in BACKENDS:
+                raise ValueError(f"{name} must be one of {', '.join(BACKENDS)}, got {getattr(self, name)!r}")
 
     def torch_device(self) -> torch.device:
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
+
+    def backend(self, name: str) -> str:
+        """'triton' on CUDA and 'torch' elsewhere, unless the user forced one."""
+        chosen = getattr(self, name)
+        on_cuda = self.torch_device().type == "cuda"
+        if chosen == "triton" and not on_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError(f"{name}='triton' needs a CUDA device (or TRITON_INTERPRET=1, Triton's CPU interpreter)")
+        if chosen != "auto":
+            return chosen
+        return "triton" if on_cuda else "torch"
 
     def torch_dtype(self, model: ModelConfig) -> torch.dtype:
         return model.dtype if self.dtype == "auto" else DTYPES[self.dtype]

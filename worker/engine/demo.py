@@ -8,13 +8,13 @@ import shutil
 import tempfile
 from pathlib import Path
 
-DEMO_VERSION = 1
+DEMO_VERSION = 2
 SPECIAL_TOKENS = ["<s>", "<|end|>", "<|system|>", "<|user|>", "<|assistant|>"]
 CHAT_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
-DEMO_SHAPE = dict(hidden_size=64, intermediate_size=172, num_hidden_layers=2, num_attention_heads=4,
+DEMO_SHAPE = dict(hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=2048)
 
 

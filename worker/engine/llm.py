@@ -116,6 +116,22 @@ class LLMEngine:
         """The most tokens (prompt plus max_tokens) one request may have here: the model's or the cache's limit."""
         return min(self.max_model_len, self.block_manager.num_blocks * self.block_manager.block_size)
 
+    def prompt_logits(self, prompt: Prompt) -> torch.Tensor:
+        """Logits [len(prompt), vocab] (float32) at every prompt position: scoring and quality checks.
+
+        Call it between steps: it borrows blocks from the cache and gives them back.
+        """
+        token_ids = self.encode(prompt)
+        self.check(token_ids, SamplingParams(max_tokens=1))
+        seq = Sequence("prompt-logits", token_ids, SamplingParams(), time.time())
+        if not self.block_manager.can_allocate(seq, len(token_ids)):
+            raise RequestRejected("not enough free KV blocks right now; call prompt_logits between batches")
+        self.block_manager.allocate(seq, len(token_ids))
+        try:
+            return self.runner.all_logits(seq)
+        finally:
+            self.block_manager.free(seq)
+
     def abort(self, request_id: str) -> bool:
         seq = self.requests.pop(request_id, None)
         if seq is None:
@@ -197,6 +213,9 @@ class LLMEngine:
             "block_size": bm.block_size,
             "weight_bytes": self.runner.weight_bytes,
             "kv_cache_bytes": self.runner.kv_cache_bytes,
+            "kv_cache_dtype": "int8" if self.runner.kv_int8 else str(self.runner.dtype).removeprefix("torch."),
+            "kv_cache_tokens": bm.num_blocks * bm.block_size,
+            "quantization": self.config.quantization,
             "busy_seconds": self.busy_seconds,
         }
 

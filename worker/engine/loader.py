@@ -69,6 +69,17 @@ def load_weights(model: torch.nn.Module, path: str | Path) -> None:
         raise ModelError(f"{path}: checkpoint is missing tensor(s) {', '.join(missing[:5])}{more}")
 
 
+@torch.no_grad()
+def init_dummy_weights(model: torch.nn.Module, seed: int = 0) -> None:
+    """Random weights in place of a checkpoint (vLLM's load_format="dummy"): benchmarks need only config.json."""
+    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    for name, param in model.named_parameters():
+        if name.endswith("layernorm.weight") or name.endswith("norm.weight"):
+            param.fill_(1.0)
+        else:
+            param.normal_(0.0, 0.02, generator=gen)
+
+
 def _copy(dest: tuple[torch.Tensor, slice | None], tensor: torch.Tensor, name: str, file: Path) -> None:
     param, rows = dest
     target = param.data if rows is None else param.data[rows]

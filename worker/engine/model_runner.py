@@ -6,7 +6,8 @@ import torch
 
 from worker.engine.attention import AttentionMetadata, LayerCache, TorchAttention
 from worker.engine.config import CPU_DEFAULT_KV_CACHE_MEMORY, CUDA_MEMORY_FRACTION, EngineConfig, ModelConfig
-from worker.engine.loader import build_model, load_weights
+from worker.engine.loader import build_model, init_dummy_weights, load_weights
+from worker.engine.quantization import quantize_model
 from worker.engine.sequence import Sequence
 
 
@@ -17,16 +18,37 @@ class ModelRunner:
         self.dtype = config.torch_dtype(model_config)
         self.block_size = config.block_size
         self.max_model_len = max_model_len
-        self.backend = TorchAttention()
+        self.kv_int8 = config.kv_cache_dtype == "int8"
+        self.backend = self._attention_backend()
         self.model = build_model(model_config, self.backend, max_model_len, self.dtype, self.device)
-        load_weights(self.model, path)
+        if config.load_format == "dummy":
+            init_dummy_weights(self.model)
+        else:
+            load_weights(self.model, path)
+        if config.quantization:
+            quantize_model(self.model, config.quantization, config.quantization_group_size,
+                           config.backend("linear_backend"), config.quantize_lm_head)
         self.num_blocks = self._num_kv_blocks()
-        shape = (self.num_blocks, self.block_size, model_config.num_kv_heads, model_config.head_dim)
-        self.caches = [
-            LayerCache(torch.zeros(shape, dtype=self.dtype, device=self.device),
-                       torch.zeros(shape, dtype=self.dtype, device=self.device))
-            for _ in range(model_config.num_layers)
-        ]
+        self.caches = [self._layer_cache() for _ in range(model_config.num_layers)]
+
+    def _attention_backend(self):
+        kind = self.config.backend("attention_backend")
+        if kind == "torch" or (self.model_config.sliding_window and self.config.attention_backend == "auto"):
+            return TorchAttention()
+        if self.model_config.sliding_window:
+            raise ValueError("the triton attention backend has no sliding window; use attention_backend='torch'")
+        from worker.engine.triton_attention import TritonAttention
+
+        return TritonAttention()
+
+    def _layer_cache(self) -> LayerCache:
+        shape = (self.num_blocks, self.block_size, self.model_config.num_kv_heads, self.model_config.head_dim)
+        if not self.kv_int8:
+            return LayerCache(torch.zeros(shape, dtype=self.dtype, device=self.device),
+                              torch.zeros(shape, dtype=self.dtype, device=self.device))
+        k, v = (torch.zeros(shape, dtype=torch.int8, device=self.device) for _ in range(2))
+        k_scale, v_scale = (torch.ones(shape[:3], dtype=torch.float32, device=self.device) for _ in range(2))
+        return LayerCache(k, v, k_scale, v_scale)
 
     @property
     def weight_bytes(self) -> int:
@@ -36,11 +58,14 @@ class ModelRunner:
 
     @property
     def kv_cache_bytes(self) -> int:
-        return sum(c.k.numel() * c.k.element_size() + c.v.numel() * c.v.element_size() for c in self.caches)
+        tensors = [t for c in self.caches for t in (c.k, c.v, c.k_scale, c.v_scale) if t is not None]
+        return sum(t.numel() * t.element_size() for t in tensors)
 
     def bytes_per_block(self) -> int:
+        """K and V of one block in every layer; an INT8 cache adds a float32 scale per token and head."""
         c = self.model_config
-        return 2 * c.num_layers * self.block_size * c.num_kv_heads * c.head_dim * self.dtype.itemsize
+        per_head = c.head_dim + 4 if self.kv_int8 else c.head_dim * self.dtype.itemsize
+        return 2 * c.num_layers * self.block_size * c.num_kv_heads * per_head
 
     def _num_kv_blocks(self) -> int:
         cfg = self.config
@@ -69,6 +94,12 @@ class ModelRunner:
         if not sample_seqs:
             return torch.empty(0), []
         return self.model.compute_logits(hidden[logits_rows]), sample_seqs
+
+    @torch.inference_mode()
+    def all_logits(self, seq: Sequence) -> torch.Tensor:
+        """Logits at every position of a sequence's uncomputed tokens (its blocks already allocated)."""
+        input_ids, positions, meta, _, _ = self._prepare([(seq, seq.num_remaining)])
+        return self.model.compute_logits(self.model(input_ids, positions, self.caches, meta))
 
     def _prepare(self, scheduled: list[tuple[Sequence, int]]):
         # single-token rows first, sorted by context so the attention backend's decode buckets pad little

@@ -1,0 +1,114 @@
+"""Weight-only INT8/INT4 quantization of the attention and MLP projections, applied on load from float weights.
+
+Each quantized layer keeps the packed weights as buffers and a method that multiplies by them: Triton kernels with
+dequantization fused (CUDA), PyTorch's weight-only CPU kernels, or dequantize-then-matmul where neither applies.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kernels.quant import INT4_GROUP_SIZES, dequantize_int4, dequantize_int8, quantize_int4, quantize_int8, unpack_int4
+from worker.engine.linear import Linear
+
+QUANTIZATIONS = ("int8", "int4")
+QUANTIZED_LAYERS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+# PyTorch's CPU weight-only kernels are vectorized for bfloat16 activations (W8A16/W4A16: 16-bit activations) and
+# cost time linear in the rows; the int8 one loses to dequantize + bfloat16 matmul past 16 rows (bench/quant_decode.py)
+CPU_KERNEL_DTYPE = torch.bfloat16
+CPU_INT8_MAX_ROWS = 16
+
+
+def quantize_model(model: torch.nn.Module, mode: str, group_size: int, backend: str, lm_head: bool = False) -> None:
+    """Replace the float weight of every attention/MLP projection (and lm_head if asked) by its quantized form."""
+    if mode not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {mode!r}")
+    if mode == "int4" and group_size not in INT4_GROUP_SIZES:
+        raise ValueError(f"int4 group_size must be one of {INT4_GROUP_SIZES}, got {group_size}")
+    for name, module in model.named_modules():
+        layers = QUANTIZED_LAYERS + (("lm_head",) if lm_head else ())
+        if isinstance(module, Linear) and name.rsplit(".", 1)[-1] in layers:
+            if mode == "int4" and module.in_features % group_size:
+                raise ValueError(f"{name}: in_features {module.in_features} is not a multiple of int4 group_size "
+                                 f"{group_size}; choose one of {INT4_GROUP_SIZES} that divides it")
+            method = Int8Method(backend) if mode == "int8" else Int4Method(backend, group_size)
+            method.quantize(module)
+            module.method = method
+
+
+def backend_is_cpu_torch(backend: str, w: torch.Tensor) -> bool:
+    return backend == "torch" and w.device.type == "cpu"
+
+
+def _take_weight(layer: Linear) -> torch.Tensor:
+    w = layer.weight.data
+    del layer.weight
+    return w
+
+
+class Int8Method:
+    """Symmetric per-output-channel INT8; y = x @ (q * scale).T."""
+
+    def __init__(self, backend: str):
+        self.backend = backend
+
+    def quantize(self, layer: Linear) -> None:
+        qweight, scale = quantize_int8(_take_weight(layer))
+        layer.register_buffer("qweight", qweight)
+        layer.register_buffer("scale", scale)
+        self.on_cpu = backend_is_cpu_torch(self.backend, qweight)
+        self.cpu_kernel = self.on_cpu and layer.in_features % 32 == 0  # its vectorized loop needs whole 32s
+        if self.on_cpu:
+            self.cpu_scale = scale.to(CPU_KERNEL_DTYPE)
+
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        if self.backend == "triton":
+            from kernels.w8a16 import w8a16_matmul
+
+            return _bias(w8a16_matmul(x, layer.qweight, layer.scale), layer)
+        if not self.on_cpu:
+            return F.linear(x, dequantize_int8(layer.qweight, layer.scale).to(x.dtype), layer.bias)
+        # CPU: the weight-only kernel for few rows; past them a bfloat16 matmul beats it, dequantization included
+        xb = x.to(CPU_KERNEL_DTYPE)
+        if self.cpu_kernel and x.shape[0] <= CPU_INT8_MAX_ROWS:
+            y = torch.ops.aten._weight_int8pack_mm(xb, layer.qweight, self.cpu_scale)
+        else:
+            y = F.linear(xb, layer.qweight.to(CPU_KERNEL_DTYPE) * self.cpu_scale[:, None])
+        return _bias(y.to(x.dtype), layer)
+
+
+class Int4Method:
+    """Group-wise asymmetric INT4 along the input dimension, two weights per byte."""
+
+    def __init__(self, backend: str, group_size: int):
+        self.backend, self.group_size = backend, group_size
+
+    def quantize(self, layer: Linear) -> None:
+        w = _take_weight(layer)
+        qweight, scales, zeros = quantize_int4(w, self.group_size)
+        self.cpu_kernel = backend_is_cpu_torch(self.backend, w) and w.shape[0] % 16 == 0
+        if self.cpu_kernel:  # keep only the CPU kernel's own packing (same bytes), not both
+            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(unpack_int4(qweight).to(torch.int32), 1)
+            layer.register_buffer("qweight", packed)
+            layer.register_buffer("scales_and_zeros", torch.stack([scales.T, zeros.T], -1).to(CPU_KERNEL_DTYPE))
+        else:
+            layer.register_buffer("qweight", qweight)
+            layer.register_buffer("scales", scales)
+            layer.register_buffer("zeros", zeros)
+
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        if self.cpu_kernel:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(CPU_KERNEL_DTYPE), layer.qweight, self.group_size,
+                                                           layer.scales_and_zeros)
+            return _bias(y.to(x.dtype), layer)
+        if self.backend == "triton":
+            from kernels.w4a16 import w4a16_matmul
+
+            return _bias(w4a16_matmul(x, layer.qweight, layer.scales, layer.zeros, self.group_size), layer)
+        w = dequantize_int4(layer.qweight, layer.scales, layer.zeros, self.group_size)
+        return F.linear(x, w.to(x.dtype), layer.bias)
+
+
+def _bias(y: torch.Tensor, layer: Linear) -> torch.Tensor:
+    return y if layer.bias is None else y + layer.bias
