@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Sequence as Seq
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -21,6 +22,16 @@ from worker.engine.scheduler import Scheduler
 from worker.engine.sequence import Sequence, TokenLogprobs
 
 Prompt = str | list[int]
+
+
+@dataclass
+class StepRecord:
+    """What one step did: the efficiency windows of the worker are built from these."""
+
+    num_seqs: int
+    num_tokens: int
+    seconds: float
+    kv_blocks_used: int
 
 
 class RequestRejected(ValueError):
@@ -56,6 +67,7 @@ class LLMEngine:
         self.counters = dict.fromkeys(("num_steps", "num_prefill_tokens", "num_decode_tokens", "num_preemptions",
                                        "prefix_cache_queries", "prefix_cache_hits"), 0)
         self.busy_seconds = 0.0
+        self.last_step: StepRecord | None = None
 
     def _eos_ids(self, path: Path) -> set[int]:
         ids = set(self.model_config.eos_token_ids)
@@ -165,6 +177,7 @@ class LLMEngine:
         for seq, n in plan.scheduled:
             seq.gpu_seconds += elapsed * n / total
         self.busy_seconds += elapsed
+        self.last_step = StepRecord(len(plan.scheduled), total, elapsed, self.block_manager.num_used_blocks)
         self.counters["num_steps"] += 1
         self.counters["num_preemptions"] += len(plan.preempted)
         self.counters["prefix_cache_queries"] += plan.prefix_queries
