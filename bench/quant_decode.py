@@ -25,6 +25,7 @@ CONFIGS = {
     "int4 g128 (fp32 model)": dict(dtype="float32", quantization="int4"),
     "int8 (bf16 model)": dict(dtype="bfloat16", quantization="int8"),
     "int4 g128 (bf16 model)": dict(dtype="bfloat16", quantization="int4"),
+    "int4 + lm_head (bf16)": dict(dtype="bfloat16", quantization="int4", quantize_lm_head=True),
 }
 
 
@@ -51,12 +52,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=32)
     args = ap.parse_args()
     path = bench_model()
-    bf16_bytes = None
     rows = []
     for name, kwargs in CONFIGS.items():
         llm = LLM(str(path), max_num_seqs=32, num_kv_blocks=512, **kwargs)
         weight_bytes = llm.stats()["weight_bytes"]
-        bf16_bytes = bf16_bytes or (weight_bytes if kwargs == CONFIGS["bf16"] else None)
         rows.append((name, weight_bytes, decode_rate(llm, 1, args.steps), decode_rate(llm, 32, args.steps)))
         del llm
     base = rows[0]

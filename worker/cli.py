@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -129,6 +131,25 @@ def run_command(args: argparse.Namespace) -> int:
 # (SLUICE_BROKER_URL); they import api/ only, never the engine.
 
 
+@contextmanager
+def database() -> Iterator:
+    """A transaction on SLUICE_DATABASE_URL; a database that is down or not migrated is reported in one line."""
+    from sqlalchemy.exc import SQLAlchemyError
+
+    from api import db
+
+    engine = db.make_engine()
+    try:
+        with db.session_factory(engine).begin() as session:
+            yield session
+    except SQLAlchemyError as e:
+        problem = str(getattr(e, "orig", None) or e).splitlines()[0]
+        message = f"database {engine.url!r}: {problem} (is it up, and migrated with `sluice db upgrade`?)"
+        raise UsageError(message) from None
+    finally:
+        engine.dispose()
+
+
 def add_db_parser(commands) -> None:
     parser = commands.add_parser("db", help="manage the database of SLUICE_DATABASE_URL")
     actions = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
@@ -172,12 +193,11 @@ def submit_command(args: argparse.Namespace) -> int:
         raise UsageError(f"input file {args.input} not found")
     from kombu.exceptions import OperationalError
 
-    from api import db, queue, store
+    from api import queue, store
 
     priority = store.DEFAULT_PRIORITY if args.priority is None else args.priority
-    sessions = db.session_factory(db.make_engine())
     try:
-        with sessions.begin() as session:
+        with database() as session:
             tenant = store.get_or_create_tenant(session, args.tenant or store.DEFAULT_TENANT)
             file = store.store_file(session, tenant.id, args.input.name, "batch", args.input.read_bytes())
             batch, work = store.create_batch(session, tenant.id, file.id, model=args.model,
@@ -191,7 +211,8 @@ def submit_command(args: argparse.Namespace) -> int:
         code = 1
     else:
         print(f"sluice submit: {batch.request_total - batch.request_failed} requests queued for model "
-              f"{batch.model!r}, {batch.request_failed} invalid (see `sluice results {batch.id} --errors`)",
+              f"{batch.model!r}, {batch.request_failed} invalid (`sluice results {batch.id} -o OUT.jsonl` writes "
+              "their error lines)",
               file=sys.stderr)
     if work is not None:
         try:
@@ -214,9 +235,9 @@ def add_status_parser(commands) -> None:
 
 
 def status_command(args: argparse.Namespace) -> int:
-    from api import db, store
+    from api import store
 
-    with db.session_factory(db.make_engine()).begin() as session:
+    with database() as session:
         try:
             view = store.batch_view(session, store.get_batch(session, args.batch_id))
         except store.NotFound as e:
@@ -245,9 +266,9 @@ def results_command(args: argparse.Namespace) -> int:
             raise UsageError(f"directory {path.parent} not found")
     if args.output.resolve() == errors.resolve():
         raise UsageError("the output and error files must differ")
-    from api import db, store
+    from api import store
 
-    with db.session_factory(db.make_engine()).begin() as session:
+    with database() as session:
         try:
             batch = store.get_batch(session, args.batch_id)
         except store.NotFound as e:

@@ -1,0 +1,77 @@
+"""The task queue's conventions (one Celery app factory for producers and workers) and publishing chunk messages.
+
+Usable without torch: the tasks themselves live in worker/, so messages are sent by task name. Redis carries
+messages, not truth: a message is a list of request ids, and a task that receives ids already finished skips them.
+On Redis a lower priority number is served first (kombu pops priority 0's list before 1's); sluice's priorities
+follow the same order, 0 first and 9 last, which is also the engine's.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+
+from celery import Celery
+
+from api.store.batches import PRIORITIES, Work
+
+RUN_CHUNK = "sluice.run_chunk"
+DELIVER_WEBHOOK = "sluice.deliver_webhook"
+RECONCILE = "sluice.reconcile"
+WEBHOOKS_QUEUE = "webhooks"
+MAINTENANCE_QUEUE = "maintenance"
+DEFAULT_BROKER_URL = "redis://127.0.0.1:6379/0"
+DEFAULT_CHUNK_SIZE = 32
+# An unacked message is handed to another worker after this long, so it must exceed the longest run of a chunk
+# (and any countdown a task is retried with). A killed worker's requests come back sooner, through the reconciler.
+VISIBILITY_TIMEOUT = 12 * 3600
+
+
+def broker_url() -> str:
+    return os.environ.get("SLUICE_BROKER_URL") or DEFAULT_BROKER_URL
+
+
+def chunk_size() -> int:
+    """SLUICE_CHUNK_SIZE: request ids per message (default 32)."""
+    raw = os.environ.get("SLUICE_CHUNK_SIZE") or str(DEFAULT_CHUNK_SIZE)
+    if not raw.isdigit() or int(raw) < 1:
+        raise ValueError(f"SLUICE_CHUNK_SIZE={raw!r}: give a whole number of requests per message, at least 1")
+    return int(raw)
+
+
+def model_queue(served_model_name: str) -> str:
+    return f"model.{served_model_name}"
+
+
+def make_app(broker: str | None = None) -> Celery:
+    app = Celery("sluice", broker=broker or broker_url(), set_as_current=False)
+    app.conf.update(
+        task_serializer="json", accept_content=["json"], result_serializer="json",
+        task_ignore_result=True,  # results go to the database
+        task_acks_late=True,  # ack after the results are committed, so a killed worker's message comes back
+        task_reject_on_worker_lost=True,
+        worker_prefetch_multiplier=1,  # a worker holds only the messages it is running
+        broker_connection_retry_on_startup=True,
+        task_routes={DELIVER_WEBHOOK: {"queue": WEBHOOKS_QUEUE}, RECONCILE: {"queue": MAINTENANCE_QUEUE}},
+        broker_transport_options={
+            "visibility_timeout": VISIBILITY_TIMEOUT,
+            "priority_steps": list(PRIORITIES),  # one Redis list per priority, so every level is exact
+            "sep": ":",  # priority 3 of queue model.x is the list "model.x:3"
+            "queue_order_strategy": "priority",  # a worker of several queues drains them in the order given
+        },
+    )
+    return app
+
+
+def publish_chunks(app: Celery, work: Iterable[Work], size: int | None = None) -> int:
+    """Send each Work's request ids in messages of `size` (default SLUICE_CHUNK_SIZE) to its model's queue at its
+    priority; returns the number of messages sent."""
+    size = size or chunk_size()
+    sent = 0
+    with app.producer_or_acquire() as producer:
+        for w in work:
+            for start in range(0, len(w.request_ids), size):
+                app.send_task(RUN_CHUNK, args=[w.request_ids[start:start + size]], queue=model_queue(w.model),
+                              priority=w.priority, producer=producer)
+                sent += 1
+    return sent

@@ -1,0 +1,183 @@
+"""Creating a batch from an uploaded file: every line validated, all request rows written in one transaction.
+
+A bad line becomes a failed request whose result holds the error, so the error file shows it; the batch itself
+fails only when the file as a whole is unusable: empty, not JSONL at all, or longer than the line limit. A batch has
+one endpoint and one model, as in OpenAI: given by the caller, or else taken from its first valid line.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import insert, select
+from sqlalchemy.orm import Session
+
+from api.models import Batch, Request, Result
+from api.schemas import BODIES, BatchRequest, BatchValidator, LineError, line_error
+from api.store.common import InvalidInput, error_result, new_id
+from api.store.files import file_content, get_file
+from api.store.lifecycle import settle
+from api.store.webhooks import notify
+
+MAX_LINES = 50_000  # OpenAI's limit of requests per batch
+DEFAULT_PRIORITY = 5
+PRIORITIES = range(10)  # 0 runs first: Redis and the engine both serve lower numbers first
+INVALID_STATUS_CODE = 400
+WINDOW = re.compile(r"([1-9][0-9]{0,3})h")
+METADATA_LIMITS = (16, 64, 512)  # OpenAI's: pairs, key characters, value characters
+MAX_CUSTOM_ID = 512
+MAX_MODEL_NAME = 255
+
+
+@dataclass
+class Work:
+    """Requests to publish to one model's queue at one priority."""
+
+    model: str
+    priority: int
+    request_ids: list[int]
+
+
+@dataclass
+class _Rules:
+    """What a valid line must also be in this batch: of its endpoint and model (given by the caller or by the first
+    valid line), and storable."""
+
+    endpoint: str | None
+    model: str | None
+    model_given: bool
+
+    def check(self, request: BatchRequest) -> BatchRequest | LineError:
+        # PostgreSQL text holds no NUL character, and an index entry at most ~2.7 kB
+        if len(request.custom_id) > MAX_CUSTOM_ID or "\x00" in request.custom_id:
+            return line_error(request.line, "invalid_value", f"at most {MAX_CUSTOM_ID} characters, none of them NUL",
+                              request.custom_id, "custom_id")
+        self.endpoint = self.endpoint or request.url
+        if request.url != self.endpoint:
+            return line_error(request.line, "invalid_url", f"{request.url} differs from the batch's endpoint "
+                              f"{self.endpoint}; a batch has one endpoint", request.custom_id, "url")
+        if self.model_given:
+            return request
+        named = request.body.model
+        if named is None:
+            return line_error(request.line, "missing_required_parameter", "required field is missing (or give the "
+                              "batch a model: sluice submit --model NAME)", request.custom_id, "body.model")
+        if problem := _model_problem(named):
+            return line_error(request.line, "invalid_value", problem, request.custom_id, "body.model")
+        self.model = self.model or named
+        if named != self.model:
+            return line_error(request.line, "invalid_value", f"{named!r} differs from the batch's model "
+                              f"{self.model!r}; a batch runs on one model", request.custom_id, "body.model")
+        return request
+
+
+def create_batch(session: Session, tenant_id: int, input_file_id: str, *, endpoint: str | None = None,
+                 model: str | None = None, completion_window: str = "24h", metadata: dict[str, str] | None = None,
+                 priority: int = DEFAULT_PRIORITY, max_lines: int = MAX_LINES) -> tuple[Batch, Work | None]:
+    """Validate the file's lines and store the batch with its requests; returns the batch and the work to publish
+    after commit (None when nothing is left to run). A bad argument raises InvalidInput and stores nothing."""
+    file = get_file(session, input_file_id, tenant_id)
+    if file.purpose != "batch":
+        raise InvalidInput(f"file {input_file_id} has purpose {file.purpose!r}; a batch needs purpose 'batch'",
+                           "input_file_id")
+    if endpoint is not None and endpoint not in BODIES:
+        raise InvalidInput(f"endpoint {endpoint!r} is not supported; use one of {', '.join(BODIES)}", "endpoint")
+    if model is not None and (problem := _model_problem(model)):
+        raise InvalidInput(f"model {model!r}: {problem}", "model")
+    if priority not in PRIORITIES:
+        raise InvalidInput(f"priority {priority} is out of range: 0 (first) to 9 (last)", "priority")
+    window_seconds = _window_seconds(completion_window)
+    _check_metadata(metadata)
+    now = time.time()
+    batch = Batch(id=new_id("batch_"), tenant_id=tenant_id, endpoint=endpoint or "", input_file_id=input_file_id,
+                  completion_window=completion_window, model=model or "", priority=priority, status="validating",
+                  metadata_=metadata, request_total=0, request_completed=0, request_failed=0, created_at=now,
+                  expires_at=now + window_seconds)
+    session.add(batch)
+    lines = [(number, raw) for number, raw in enumerate(file_content(session, input_file_id).split(b"\n"), 1)
+             if raw.strip()]
+    if problem := _file_problem(lines, max_lines):
+        return _fail(session, batch, problem, now), None
+    rules = _Rules(endpoint, model, model is not None)
+    validator = BatchValidator()
+    checked = [_checked(validator, rules, number, raw) for number, raw in lines]
+    if all(isinstance(c, LineError) and c.code == "invalid_json_line" for c in checked):
+        return _fail(session, batch, {"code": "invalid_jsonl", "message": f"no line is a JSON object; "
+                                      f"{checked[0].message}", "param": None, "line": None}, now), None
+    batch.endpoint, batch.model = rules.endpoint or "", rules.model or ""
+    batch.status, batch.in_progress_at = "in_progress", now
+    batch.request_total = len(checked)
+    batch.request_failed = sum(isinstance(c, LineError) for c in checked)
+    session.flush()
+    session.execute(insert(Request), [_request_row(batch.id, c, now) for c in checked])
+    ids = session.scalars(select(Request.id).where(Request.batch_id == batch.id).order_by(Request.line)).all()
+    errors = [error_result(request_id, INVALID_STATUS_CODE, {"code": c.code, "message": c.message, "param": c.param,
+                                                             "custom_id": c.custom_id}, now)
+              for request_id, c in zip(ids, checked) if isinstance(c, LineError)]
+    if errors:
+        session.execute(insert(Result), errors)
+    queued = [request_id for request_id, c in zip(ids, checked) if isinstance(c, BatchRequest)]
+    if not queued:
+        settle(session, batch.id, now)
+        return batch, None
+    return batch, Work(batch.model, priority, queued)
+
+
+def _model_problem(name: str) -> str | None:
+    if not name.strip() or len(name) > MAX_MODEL_NAME or "\x00" in name:
+        return f"a model name has 1 to {MAX_MODEL_NAME} characters, not all blank, none of them NUL"
+    return None
+
+
+def _checked(validator: BatchValidator, rules: _Rules, number: int, raw: bytes) -> BatchRequest | LineError:
+    result = validator.validate(raw, number)
+    return rules.check(result) if isinstance(result, BatchRequest) else result
+
+
+def _fail(session: Session, batch: Batch, error: dict[str, Any], now: float) -> Batch:
+    batch.status, batch.failed_at, batch.errors = "failed", now, [error]
+    session.flush()
+    notify(session, batch.tenant_id, "batch.failed", batch.id, now)
+    return batch
+
+
+def _file_problem(lines: list[tuple[int, bytes]], max_lines: int) -> dict[str, Any] | None:
+    if not lines:
+        return {"code": "empty_file", "message": "the input file has no requests", "param": None, "line": None}
+    if len(lines) > max_lines:
+        return {"code": "too_many_lines", "message": f"the input file has {len(lines)} requests; a batch takes at "
+                f"most {max_lines}", "param": None, "line": max_lines + 1}
+    return None
+
+
+def _request_row(batch_id: str, checked: BatchRequest | LineError, now: float) -> dict[str, Any]:
+    row = {"batch_id": batch_id, "line": checked.line, "attempts": 0, "lease_owner": None, "lease_expires_at": None,
+           "created_at": now}
+    if isinstance(checked, LineError):
+        # no custom_id: a duplicate must not collide with its first use; the error result keeps it
+        return {**row, "custom_id": None, "url": None, "body": None, "status": "failed", "published_at": None}
+    body = checked.body.model_dump(mode="json", exclude_none=True)
+    return {**row, "custom_id": checked.custom_id, "url": checked.url, "body": body, "status": "queued",
+            "published_at": now}
+
+
+def _window_seconds(window: str) -> int:
+    match = WINDOW.fullmatch(window)
+    if match is None:
+        raise InvalidInput(f"completion_window {window!r}: give hours, as in '24h'", "completion_window")
+    return int(match[1]) * 3600
+
+
+def _check_metadata(metadata: dict[str, str] | None) -> None:
+    if metadata is None:
+        return
+    pairs, key_chars, value_chars = METADATA_LIMITS
+    if not isinstance(metadata, dict) or len(metadata) > pairs:
+        raise InvalidInput(f"metadata: at most {pairs} key-value pairs", "metadata")
+    for key, value in metadata.items():
+        if not (isinstance(key, str) and isinstance(value, str)) or len(key) > key_chars or len(value) > value_chars:
+            raise InvalidInput(f"metadata[{key!r}]: keys are strings of at most {key_chars} characters, values of "
+                               f"at most {value_chars}", "metadata")

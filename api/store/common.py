@@ -1,0 +1,70 @@
+"""What the store modules share: the errors they raise, id prefixes, and the dialect-neutral pieces of SQL."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from sqlalchemy import Select, and_, or_, select
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.orm import Session
+
+from api.models import Batch, Request
+
+
+class StoreError(Exception):
+    """A request the store refuses; the message names the problem, and nothing stored was changed."""
+
+
+class NotFound(StoreError):
+    pass
+
+
+class InvalidInput(StoreError):
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+def new_id(prefix: str) -> str:
+    return prefix + uuid.uuid4().hex
+
+
+def error_result(request_id: int, status_code: int, error: dict[str, Any], now: float) -> dict[str, Any]:
+    """A result row for a request that ends in an error without running (bad line, expiry)."""
+    return {"request_id": request_id, "status_code": status_code, "response": None, "error": error,
+            "prompt_tokens": 0, "cached_tokens": 0, "completion_tokens": 0, "queue_seconds": None,
+            "ttft_seconds": None, "e2e_seconds": None, "gpu_seconds": 0.0, "cost": 0.0, "worker_id": None,
+            "finished_at": now}
+
+
+def insert(session: Session, model):
+    """INSERT with ON CONFLICT clauses, for PostgreSQL or SQLite, whichever the session is bound to."""
+    dialect = session.get_bind().dialect.name
+    return (postgresql if dialect == "postgresql" else sqlite).insert(model)
+
+
+def lock_batches(session: Session, batch_ids: Select | list[str]) -> list[str]:
+    """Lock batch rows, in id order, before touching their requests' statuses.
+
+    Every transaction that finishes or cancels requests takes these locks first, so such transactions on one batch
+    run one after another: the one that finishes the last request sees every other's work (no batch is left
+    cancelling with nothing running), and lock order never inverts between them (no deadlock). SQLite needs none of
+    this: its BEGIN IMMEDIATE serializes all writers.
+    """
+    rows = session.scalars(select(Batch.id).where(Batch.id.in_(batch_ids)).order_by(Batch.id).with_for_update())
+    return list(rows)
+
+
+def batch_in(*statuses: str):
+    return Request.batch_id.in_(select(Batch.id).where(Batch.status.in_(statuses)))
+
+
+def lease_expired(now: float):
+    return and_(Request.status == "running", Request.lease_expires_at < now)
+
+
+def held_or_free(worker_id: str, now: float):
+    """Requests a worker may finish: running under its lease, never claimed, or abandoned by a dead worker."""
+    return or_(and_(Request.status == "running", Request.lease_owner == worker_id), Request.status == "queued",
+               lease_expired(now))

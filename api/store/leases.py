@@ -1,0 +1,160 @@
+"""The worker's side of a request: claim it under a lease, keep the lease, give it back, or write its result.
+
+Execution is at-least-once (a message can come twice, a worker can die mid-chunk); the stored result is exactly-once:
+every status change is a conditional UPDATE, and a request is counted in its batch's request_counts by the one
+transaction that moved it out of queued or running.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import select, update
+from sqlalchemy.orm import Session
+
+from api.models import Batch, Request, Result
+from api.store.common import batch_in, held_or_free, insert, lease_expired, lock_batches
+from api.store.lifecycle import count_finished, settle
+from api.store.usage import cost
+
+ACCEPTING = ("in_progress", "cancelling")  # batches whose running requests may still finish
+
+
+@dataclass
+class Claimed:
+    """A request a worker now holds: what the engine needs, and the batch's model and priority."""
+
+    id: int
+    batch_id: str
+    custom_id: str
+    line: int
+    url: str
+    body: dict[str, Any]
+    model: str
+    priority: int
+    attempts: int  # including this one
+    created_at: float
+
+
+@dataclass
+class RequestResult:
+    """What a worker reports for one request: a response body (status 200) or an error {code, message, param}."""
+
+    request_id: int
+    response: dict[str, Any] | None = None
+    error: dict[str, Any] | None = None
+    status_code: int = 200
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    queue_seconds: float | None = None
+    ttft_seconds: float | None = None
+    e2e_seconds: float | None = None
+    gpu_seconds: float = 0.0
+
+    def __post_init__(self):
+        if (self.response is None) == (self.error is None):
+            raise ValueError(f"request {self.request_id}: give a response or an error, not both or neither")
+        if (self.status_code == 200) != (self.response is not None):
+            raise ValueError(f"request {self.request_id}: status_code {self.status_code} with "
+                             f"{'a response' if self.response is not None else 'an error'}; 200 means a response")
+
+
+def claim(session: Session, request_ids: list[int], worker_id: str, lease_seconds: float) -> list[Claimed]:
+    """Take the requests that are queued, or running under an expired lease, in in_progress batches; the rest
+    (finished, cancelled, or held by a live worker) are skipped. Commit before running them."""
+    now = time.time()
+    rows = session.execute(
+        update(Request)
+        .where(Request.id.in_(request_ids), (Request.status == "queued") | lease_expired(now), batch_in("in_progress"))
+        .values(status="running", attempts=Request.attempts + 1, lease_owner=worker_id,
+                lease_expires_at=now + lease_seconds)
+        .returning(Request.id, Request.batch_id, Request.custom_id, Request.line, Request.url, Request.body,
+                   Request.attempts, Request.created_at)).all()
+    batches = {b.id: b for b in session.execute(select(Batch.id, Batch.model, Batch.priority)
+                                                .where(Batch.id.in_({r.batch_id for r in rows})))}
+    return sorted((Claimed(r.id, r.batch_id, r.custom_id, r.line, r.url, r.body, batches[r.batch_id].model,
+                           batches[r.batch_id].priority, r.attempts, r.created_at) for r in rows), key=lambda c: c.id)
+
+
+def renew_leases(session: Session, request_ids: list[int], worker_id: str, lease_seconds: float) -> list[int]:
+    """Extend the worker's leases on requests it is running; returns those it should abort instead: their batch is
+    cancelling or expired, or another worker took them over after the lease ran out."""
+    renewed = session.scalars(
+        update(Request)
+        .where(Request.id.in_(request_ids), Request.status == "running", Request.lease_owner == worker_id,
+               batch_in("in_progress"))
+        .values(lease_expires_at=time.time() + lease_seconds).returning(Request.id)).all()
+    return sorted(set(request_ids) - set(renewed))
+
+
+def release(session: Session, request_ids: list[int], worker_id: str) -> list[int]:
+    """Give back requests the worker will not finish (graceful shutdown): running -> queued, or cancelled in a
+    cancelling batch. Their message is still the one the worker holds: requeue it rather than ack it."""
+    lock_batches(session, select(Request.batch_id).where(Request.id.in_(request_ids)))
+    mine = (Request.id.in_(request_ids), Request.status == "running", Request.lease_owner == worker_id)
+    cleared = {"lease_owner": None, "lease_expires_at": None}
+    queued = session.scalars(update(Request).where(*mine, batch_in("in_progress"))
+                             .values(status="queued", **cleared).returning(Request.id)).all()
+    return sorted([*queued, *_cancel_running(session, mine)])
+
+
+def mark_cancelled(session: Session, request_ids: list[int], worker_id: str) -> list[int]:
+    """Record that the worker aborted these running requests of cancelling batches; the last one ends the batch."""
+    lock_batches(session, select(Request.batch_id).where(Request.id.in_(request_ids)))
+    return _cancel_running(session, (Request.id.in_(request_ids), Request.status == "running",
+                                     Request.lease_owner == worker_id))
+
+
+def _cancel_running(session: Session, conditions: tuple) -> list[int]:
+    rows = session.execute(update(Request).where(*conditions, batch_in("cancelling"))
+                           .values(status="cancelled", lease_owner=None, lease_expires_at=None)
+                           .returning(Request.id, Request.batch_id)).all()
+    now = time.time()
+    for batch_id in sorted({batch_id for _, batch_id in rows}):
+        settle(session, batch_id, now)
+    return sorted(request_id for request_id, _ in rows)
+
+
+def write_results(session: Session, results: list[RequestResult], worker_id: str) -> list[int]:
+    """Store results and finish their requests in one transaction; returns the ids this call finished.
+
+    A request is finished here only if it is still running under this worker's lease, or queued, or running under
+    an expired lease, in an in_progress or cancelling batch; anything else (written before, expired, cancelled, taken
+    over by another worker) is ignored, so a second write of the same result changes nothing. The batch counters
+    grow by exactly the requests finished, and the write that finishes a batch's last request completes the batch.
+    """
+    by_id = {r.request_id: r for r in results}
+    if not by_id:
+        return []
+    now = time.time()
+    lock_batches(session, select(Request.batch_id).where(Request.id.in_(by_id)))
+    finished: list[tuple[int, str]] = []
+    for status, ids in (("completed", [i for i, r in by_id.items() if r.error is None]),
+                        ("failed", [i for i, r in by_id.items() if r.error is not None])):
+        if ids:
+            finished += session.execute(
+                update(Request).where(Request.id.in_(ids), held_or_free(worker_id, now), batch_in(*ACCEPTING))
+                .values(status=status, lease_owner=None, lease_expires_at=None)
+                .returning(Request.id, Request.batch_id)).all()
+    if not finished:
+        return []
+    session.execute(insert(session, Result).on_conflict_do_nothing(),
+                    [_result_row(by_id[request_id], worker_id, now) for request_id, _ in finished])
+    completed = Counter(b for i, b in finished if by_id[i].error is None)
+    failed = Counter(b for i, b in finished if by_id[i].error is not None)
+    for batch_id in sorted(set(completed) | set(failed)):
+        count_finished(session, batch_id, completed[batch_id], failed[batch_id])
+        settle(session, batch_id, now)
+    return sorted(request_id for request_id, _ in finished)
+
+
+def _result_row(r: RequestResult, worker_id: str, now: float) -> dict[str, Any]:
+    return {"request_id": r.request_id, "status_code": r.status_code, "response": r.response, "error": r.error,
+            "prompt_tokens": r.prompt_tokens, "cached_tokens": r.cached_tokens,
+            "completion_tokens": r.completion_tokens, "queue_seconds": r.queue_seconds,
+            "ttft_seconds": r.ttft_seconds, "e2e_seconds": r.e2e_seconds, "gpu_seconds": r.gpu_seconds,
+            "cost": cost(r.gpu_seconds), "worker_id": worker_id, "finished_at": now}

@@ -1,0 +1,94 @@
+"""A batch's status changes after creation: completion, cancellation, expiry; each a conditional UPDATE.
+
+in_progress -> finalizing -> completed happens in the transaction that finishes the last request (output and error
+files are views over the results, so finalizing takes no time); cancelling -> cancelled when nothing runs any more;
+in_progress -> expired when the completion window passes. Each end writes its webhook outbox rows in the same
+transaction.
+"""
+
+from __future__ import annotations
+
+import time
+
+from sqlalchemy import exists, select, update
+from sqlalchemy.orm import Session
+
+from api.models import Batch, Request, Result
+from api.store.common import InvalidInput, NotFound, error_result, insert, lease_expired, lock_batches
+from api.store.webhooks import notify
+
+EXPIRED_MESSAGE = "this request could not be executed before the completion window expired"
+EXPIRED_STATUS_CODE = 408
+CANCELLABLE = ("validating", "in_progress")
+
+
+def settle(session: Session, batch_id: str, now: float) -> str | None:
+    """End the batch if its last request just finished; returns the new status, or None. Caller holds its lock."""
+    all_counted = Batch.request_completed + Batch.request_failed >= Batch.request_total
+    tenant_id = session.scalar(update(Batch).where(Batch.id == batch_id, Batch.status == "in_progress", all_counted)
+                               .values(status="completed", finalizing_at=now, completed_at=now)
+                               .returning(Batch.tenant_id))
+    if tenant_id is not None:
+        notify(session, tenant_id, "batch.completed", batch_id, now)
+        return "completed"
+    unfinished = exists().where(Request.batch_id == batch_id, Request.status.in_(("queued", "running")))
+    tenant_id = session.scalar(update(Batch).where(Batch.id == batch_id, Batch.status == "cancelling", ~unfinished)
+                               .values(status="cancelled", cancelled_at=now).returning(Batch.tenant_id))
+    if tenant_id is not None:
+        notify(session, tenant_id, "batch.cancelled", batch_id, now)
+        return "cancelled"
+    return None
+
+
+def count_finished(session: Session, batch_id: str, completed: int, failed: int) -> None:
+    session.execute(update(Batch).where(Batch.id == batch_id).values(
+        request_completed=Batch.request_completed + completed, request_failed=Batch.request_failed + failed))
+
+
+def cancel_batch(session: Session, batch_id: str, tenant_id: int | None = None) -> Batch:
+    """in_progress -> cancelling: queued requests (and those of dead workers) are cancelled at once, running ones when
+    their worker aborts or finishes them (finished ones are kept); cancelled as soon as none runs."""
+    now = time.time()
+    batch = session.get(Batch, batch_id, with_for_update=True, populate_existing=True)
+    if batch is None or (tenant_id is not None and batch.tenant_id != tenant_id):
+        raise NotFound(f"batch {batch_id} not found")
+    if batch.status in ("cancelling", "cancelled"):
+        return batch
+    if batch.status not in CANCELLABLE:
+        raise InvalidInput(f"batch {batch_id} is {batch.status}; only a validating or in_progress batch can be "
+                           "cancelled", "batch_id")
+    batch.status, batch.cancelling_at = "cancelling", now
+    session.flush()
+    session.execute(update(Request).where(Request.batch_id == batch_id, (Request.status == "queued") |
+                                          lease_expired(now))
+                    .values(status="cancelled", lease_owner=None, lease_expires_at=None))
+    settle(session, batch_id, now)
+    session.refresh(batch)
+    return batch
+
+
+def expire_batches(session: Session) -> list[str]:
+    """Expire every in_progress batch whose completion window has passed: its unfinished requests get
+    `batch_expired` error results and count as failed; a result written for them later changes nothing."""
+    now = time.time()
+    due = select(Batch.id).where(Batch.status == "in_progress", Batch.expires_at < now)
+    expired = []
+    for batch_id in lock_batches(session, due):
+        tenant_id = session.scalar(update(Batch).where(Batch.id == batch_id, Batch.status == "in_progress")
+                                   .values(status="expired", expired_at=now).returning(Batch.tenant_id))
+        if tenant_id is None:
+            continue
+        rows = session.execute(update(Request).where(Request.batch_id == batch_id,
+                                                     Request.status.in_(("queued", "running")))
+                               .values(status="expired", lease_owner=None, lease_expires_at=None)
+                               .returning(Request.id, Request.line)).all()
+        if rows:
+            session.execute(insert(session, Result).on_conflict_do_nothing(), [
+                error_result(request_id, EXPIRED_STATUS_CODE, {"code": "batch_expired", "param": None,
+                                                               "message": f"line {line}: {EXPIRED_MESSAGE}"}, now)
+                for request_id, line in rows])
+        count_finished(session, batch_id, 0, len(rows))
+        notify(session, tenant_id, "batch.expired", batch_id, now)
+        expired.append(batch_id)
+    return expired
+

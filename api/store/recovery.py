@@ -1,0 +1,56 @@
+"""Reconciliation: Redis carries messages, not truth, so requests that lost theirs are found here and sent again.
+
+A request has lost its message when its worker died (its lease ran out and no message went out since) or when it has
+sat queued since a publish long ago (Redis restarted or flushed). Each query marks what it returns as published now,
+in the same UPDATE, so two reconcilers never send the same request twice; publish the returned work after commit.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+
+from sqlalchemy import Row, select, update
+from sqlalchemy.orm import Session
+
+from api.models import Batch, Request
+from api.store.batches import Work
+from api.store.common import batch_in, lease_expired, lock_batches
+from api.store.lifecycle import settle
+
+
+def recover_expired_leases(session: Session) -> list[Work]:
+    """Requests whose worker's lease ran out: in in_progress batches they are returned to be published again (a claim
+    takes an expired lease over); in cancelling batches nobody will abort them, so they are cancelled here."""
+    now = time.time()
+    cancelling = select(Request.batch_id).where(lease_expired(now), batch_in("cancelling"))
+    for batch_id in lock_batches(session, cancelling):
+        session.execute(update(Request).where(Request.batch_id == batch_id, lease_expired(now))
+                        .values(status="cancelled", lease_owner=None, lease_expires_at=None))
+        settle(session, batch_id, now)
+    rows = session.execute(update(Request)
+                           .where(lease_expired(now), Request.published_at < Request.lease_expires_at,
+                                  batch_in("in_progress"))
+                           .values(published_at=now).returning(Request.id, Request.batch_id)).all()
+    return _work(session, rows)
+
+
+def republish_stale(session: Session, older_than: float) -> list[Work]:
+    """Queued requests of in_progress batches last published more than `older_than` seconds ago. Choose it above
+    the longest time a message can wait in its queue (or check the queue is empty first): a request still waiting
+    behind a long queue gets a second message, which is harmless (claims skip it) but wasted."""
+    now = time.time()
+    rows = session.execute(update(Request)
+                           .where(Request.status == "queued", Request.published_at < now - older_than,
+                                  batch_in("in_progress"))
+                           .values(published_at=now).returning(Request.id, Request.batch_id)).all()
+    return _work(session, rows)
+
+
+def _work(session: Session, rows: list[Row]) -> list[Work]:
+    by_batch: dict[str, list[int]] = defaultdict(list)
+    for request_id, batch_id in rows:
+        by_batch[batch_id].append(request_id)
+    batches = session.execute(select(Batch.id, Batch.model, Batch.priority).where(Batch.id.in_(by_batch))
+                              .order_by(Batch.id))
+    return [Work(model, priority, sorted(by_batch[batch_id])) for batch_id, model, priority in batches]

@@ -1,0 +1,57 @@
+"""Tenants and their API keys: keys are shown once and stored as sha256 hashes."""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import secrets
+import time
+
+from sqlalchemy import select, update
+from sqlalchemy.orm import Session
+
+from api.models import ApiKey, Tenant
+from api.store.common import InvalidInput, NotFound, insert, new_id
+
+DEFAULT_TENANT = "local"  # who owns what the CLI submits when no --tenant is given
+KEY_PREFIX = "sk-sluice-"
+TENANT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+
+
+def get_or_create_tenant(session: Session, name: str) -> Tenant:
+    if not TENANT_NAME.fullmatch(name):
+        raise InvalidInput(f"tenant name {name!r}: use 1 to 64 letters, digits, '.', '_' or '-', starting with a "
+                           "letter or digit", "tenant")
+    # ON CONFLICT: two first submissions of a new tenant at once both succeed
+    session.execute(insert(session, Tenant).values(name=name, created_at=time.time())
+                    .on_conflict_do_nothing(index_elements=["name"]))
+    return session.scalars(select(Tenant).where(Tenant.name == name)).one()
+
+
+def create_api_key(session: Session, tenant_id: int) -> tuple[ApiKey, str]:
+    """A new key for the tenant: the row, and the key itself, which is not stored and cannot be shown again."""
+    if session.get(Tenant, tenant_id) is None:
+        raise NotFound(f"tenant {tenant_id} not found")
+    key = KEY_PREFIX + secrets.token_urlsafe(32)
+    row = ApiKey(id=new_id("key_"), tenant_id=tenant_id, key_hash=_hash(key), prefix=key[:len(KEY_PREFIX) + 4],
+                 created_at=time.time())
+    session.add(row)
+    session.flush()
+    return row, key
+
+
+def resolve_api_key(session: Session, key: str) -> Tenant | None:
+    """The tenant a key belongs to, or None for an unknown or revoked key."""
+    return session.scalars(select(Tenant).join(ApiKey, ApiKey.tenant_id == Tenant.id)
+                           .where(ApiKey.key_hash == _hash(key), ApiKey.revoked_at.is_(None))).one_or_none()
+
+
+def revoke_api_key(session: Session, key_id: str) -> None:
+    revoked = session.execute(update(ApiKey).where(ApiKey.id == key_id, ApiKey.revoked_at.is_(None))
+                              .values(revoked_at=time.time()).returning(ApiKey.id)).first()
+    if revoked is None and session.get(ApiKey, key_id) is None:
+        raise NotFound(f"API key {key_id} not found")
+
+
+def _hash(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()

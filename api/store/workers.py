@@ -1,0 +1,48 @@
+"""Workers: heartbeats (who serves which model, since when), liveness, and their engine efficiency windows."""
+
+from __future__ import annotations
+
+import time
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from api.models import EfficiencyWindow, Worker
+from api.store.common import insert
+
+LIVE_SECONDS = 60.0  # a worker that has not beaten for this long counts as gone
+STATUSES = ("running", "stopping", "stopped")
+
+
+def heartbeat(session: Session, worker_id: str, *, hostname: str, pid: int, model: str, served_model_name: str,
+              status: str = "running") -> None:
+    """Insert the worker on its first beat, refresh it after; `status` says it is running, stopping or stopped."""
+    if status not in STATUSES:
+        raise ValueError(f"worker status {status!r}: one of {', '.join(STATUSES)}")
+    now = time.time()
+    stmt = insert(session, Worker).values(id=worker_id, hostname=hostname, pid=pid, model=model,
+                                          served_model_name=served_model_name, status=status, started_at=now,
+                                          last_heartbeat_at=now)
+    session.execute(stmt.on_conflict_do_update(index_elements=["id"],
+                                               set_={"status": status, "last_heartbeat_at": now}))
+
+
+def live_workers(session: Session, served_model_name: str | None = None) -> list[Worker]:
+    """Running workers heard from in the last LIVE_SECONDS, of one model or all."""
+    stmt = select(Worker).where(Worker.status == "running", Worker.last_heartbeat_at > time.time() - LIVE_SECONDS)
+    if served_model_name is not None:
+        stmt = stmt.where(Worker.served_model_name == served_model_name)
+    return list(session.scalars(stmt.order_by(Worker.id)))
+
+
+def record_efficiency(session: Session, window: EfficiencyWindow) -> None:
+    session.add(window)
+
+
+def efficiency_windows(session: Session, model: str, start: float, end: float) -> list[EfficiencyWindow]:
+    """The windows of a served model's workers that overlap [start, end], in time order."""
+    return list(session.scalars(select(EfficiencyWindow)
+                                .where(EfficiencyWindow.model == model, EfficiencyWindow.window_start <= end,
+                                       EfficiencyWindow.window_end >= start)
+                                .order_by(EfficiencyWindow.window_start, EfficiencyWindow.id)))
+

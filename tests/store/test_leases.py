@@ -1,0 +1,150 @@
+"""The worker's side: claims are exclusive, results are stored exactly once whatever is delivered twice or raced,
+and the write that finishes the last request completes the batch exactly once."""
+
+from __future__ import annotations
+
+import threading
+from functools import partial
+
+import pytest
+from sqlalchemy import func, select
+from store_test_utils import batch_row, chat, failed, ok, statuses, submit
+
+from api import store
+from api.models import Request, Result, WebhookDelivery
+
+
+def run_together(*calls):
+    """Run the calls in threads released at the same moment; returns their results in order."""
+    barrier = threading.Barrier(len(calls))
+    results: list = [None] * len(calls)
+    errors: list = []
+
+    def run(i, call):
+        barrier.wait()
+        try:
+            results[i] = call()
+        except Exception as e:  # reported below, in the test's thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(i, c)) for i, c in enumerate(calls)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return results
+
+
+def claim(sessions, ids, worker, lease=60.0):
+    with sessions.begin() as session:
+        return store.claim(session, ids, worker, lease)
+
+
+def write(sessions, results, worker):
+    with sessions.begin() as session:
+        return store.write_results(session, results, worker)
+
+
+def endpoint(sessions, events=None):
+    with sessions.begin() as session:
+        store.create_webhook_endpoint(session, store.get_or_create_tenant(session, "acme").id,
+                                      "https://example.com/hook", events)
+
+
+def test_claim_returns_what_the_engine_needs_and_skips_the_rest(sessions):
+    batch, work = submit(sessions, [chat("a", max_tokens=4), chat("b"), chat("c")], priority=1)
+    a, b, c = work.request_ids
+    assert [r.id for r in claim(sessions, [a], "w1")] == [a]
+    write(sessions, [ok(a)], "w1")
+    claimed = claim(sessions, [a, b, c, 999], "w2")
+    assert [r.id for r in claimed] == [b, c]
+    first = claimed[0]
+    assert (first.batch_id, first.custom_id, first.line, first.model, first.priority, first.attempts) == (
+        batch.id, "b", 2, "tiny", 1, 1)
+    assert first.body["messages"] == [{"role": "user", "content": "Hello"}]
+    assert claim(sessions, [b, c], "w3") == []  # held under live leases
+
+
+def test_claim_is_exclusive_under_concurrency(sessions):
+    _, work = submit(sessions, [chat(str(i)) for i in range(200)])
+    ids = work.request_ids
+    for round_ids in (ids[:100], ids[100:]):
+        got = run_together(*(partial(claim, sessions, round_ids, w) for w in ("w1", "w2", "w3")))
+        claimed = [r.id for rows in got for r in rows]
+        assert sorted(claimed) == round_ids  # each id claimed once, by one worker
+    with sessions.begin() as session:
+        assert session.scalar(select(func.max(Request.attempts))) == 1
+
+
+def test_an_expired_lease_is_taken_over(sessions):
+    _, work = submit(sessions, [chat("a")])
+    claim(sessions, work.request_ids, "dead", lease=-1)
+    taken = claim(sessions, work.request_ids, "alive")
+    assert [(r.id, r.attempts) for r in taken] == [(work.request_ids[0], 2)]
+    # the dead worker's late result is refused: the request is held by a live lease now
+    assert write(sessions, [ok(work.request_ids[0])], "dead") == []
+    assert write(sessions, [ok(work.request_ids[0])], "alive") == work.request_ids
+
+
+def test_writing_the_same_results_twice_changes_nothing(sessions):
+    endpoint(sessions)
+    batch, work = submit(sessions, [chat("a"), chat("b"), chat("c", max_tokens=0)])
+    a, b = work.request_ids
+    claim(sessions, [a, b], "w1")
+    assert write(sessions, [ok(a), failed(b, 2)], "w1") == [a, b]
+    before = batch_row(sessions, batch.id)
+    assert write(sessions, [ok(a, text="again"), ok(b)], "w1") == []
+    after = batch_row(sessions, batch.id)
+    assert (after.request_completed, after.request_failed, after.status) == (1, 2, "completed")
+    assert (before.request_completed, before.request_failed) == (1, 2)
+    with sessions.begin() as session:
+        assert session.scalar(select(func.count()).select_from(Result)) == 3
+        assert session.get(Result, a).response["choices"][0]["message"]["content"] == "hi"
+        assert session.scalar(select(func.count()).select_from(WebhookDelivery)) == 1
+
+
+def test_concurrent_last_writes_finalize_exactly_once(sessions):
+    endpoint(sessions, ["batch.completed"])
+    for _ in range(8):
+        batch, work = submit(sessions, [chat(str(i)) for i in range(6)])
+        ids = work.request_ids
+        claim(sessions, ids[:3], "w1")
+        claim(sessions, ids[3:], "w2")
+        # the same chunk delivered twice races too
+        run_together(partial(write, sessions, [ok(i) for i in ids[:3]], "w1"),
+                     partial(write, sessions, [ok(i) for i in ids[3:]], "w2"),
+                     partial(write, sessions, [ok(i) for i in ids[3:]], "w2"))
+        done = batch_row(sessions, batch.id)
+        assert (done.status, done.request_completed, done.request_failed) == ("completed", 6, 0)
+        assert done.finalizing_at == done.completed_at is not None
+        with sessions.begin() as session:
+            events = session.scalars(select(WebhookDelivery.payload)).all()
+            session.execute(WebhookDelivery.__table__.delete())
+        assert [(e["type"], e["data"]["id"]) for e in events] == [("batch.completed", batch.id)]
+
+
+def test_results_of_queued_requests_are_accepted(sessions):
+    # e.g. a worker that refuses a request before claiming it
+    batch, work = submit(sessions, [chat("a")])
+    assert write(sessions, [failed(work.request_ids[0], 1)], "w1") == work.request_ids
+    assert batch_row(sessions, batch.id).status == "completed"
+
+
+def test_release_requeues_and_renew_reports_what_was_lost(sessions):
+    batch, work = submit(sessions, [chat("a"), chat("b"), chat("c")])
+    a, b, c = work.request_ids
+    claim(sessions, [a, b], "w1", lease=-1)
+    claim(sessions, [b], "w2")  # took b over after w1's lease ran out
+    with sessions.begin() as session:
+        assert store.renew_leases(session, [a, b], "w1", 60) == [b]
+        assert store.release(session, [a, b, c], "w1") == [a]
+    assert statuses(sessions, batch.id) == {a: "queued", b: "running", c: "queued"}
+
+
+def test_result_must_have_a_response_or_an_error():
+    with pytest.raises(ValueError, match="not both or neither"):
+        store.RequestResult(1)
+    with pytest.raises(ValueError, match="200 means a response"):
+        store.RequestResult(1, error={"code": "x", "message": "m", "param": None})
