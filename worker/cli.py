@@ -38,6 +38,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_submit_parser(commands)
     add_status_parser(commands)
     add_results_parser(commands)
+    from worker.worker_command import add_worker_parser  # its own module: the GPU worker's wiring
+
+    add_worker_parser(commands)
     return parser
 
 

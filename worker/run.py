@@ -15,25 +15,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
-from jinja2 import TemplateError
 from tqdm import tqdm
 
-from api.schemas import (
-    CHAT_URL,
-    PROMPT_FIELDS,
-    BatchRequest,
-    BatchValidator,
-    Generation,
-    LineError,
-    TokenLogprob,
-    chat_messages,
-    error_line,
-    line_error,
-    output_line,
-    response_body,
-    sampling_args,
-)
-from worker.engine import LLMEngine, RequestOutput, RequestRejected, SamplingParams
+from api.schemas import BatchRequest, BatchValidator, LineError, error_line, line_error, output_line, response_body
+from worker.engine import LLMEngine, RequestOutput
+from worker.translate import PromptError, Responses, engine_inputs
 
 QUEUE_DEPTH = 4  # requests held by the engine per max_num_seqs: enough to refill every batch, with bounded memory
 
@@ -95,8 +81,7 @@ class BatchRun:
         self.output, self.errors, self.bar = output, errors, bar
         self.pending: dict[str, BatchRequest] = {}
         self.summary = RunSummary()
-        self.token_text: dict[int, str] = {}
-        self.context = engine.max_request_tokens
+        self.responses = Responses(engine)
 
     def run(self, input_path: Path, done: set[str]) -> RunSummary:
         requests = self._requests(input_path, done)
@@ -132,30 +117,17 @@ class BatchRun:
                     yield result
 
     def _submit(self, request: BatchRequest) -> None:
-        if request.url == CHAT_URL:
-            try:
-                token_ids = self.engine.encode_chat(chat_messages(request.body))
-            except (TemplateError, ValueError) as e:
-                self._fail(line_error(request.line, "invalid_prompt", f"the chat template failed: {e}",
-                                      request.custom_id, "body.messages"))
-                return
-        else:
-            token_ids = self.engine.encode(request.body.prompt)
         try:
-            params = SamplingParams(**sampling_args(request.body, self.context - len(token_ids)))
-            self.engine.add_request(token_ids, params, request_id=request.custom_id)
-        except RequestRejected as e:
-            self._fail(line_error(request.line, e.code, str(e), request.custom_id,
-                                  PROMPT_FIELDS[request.url]))
+            token_ids, params = engine_inputs(self.engine, request.url, request.body)
+        except PromptError as e:
+            self._fail(line_error(request.line, e.code, str(e), request.custom_id, e.param))
             return
-        except ValueError as e:  # the schema's limits should already match SamplingParams'; never lose the batch
-            self._fail(line_error(request.line, "invalid_value", str(e), request.custom_id, "body"))
-            return
+        self.engine.add_request(token_ids, params, request_id=request.custom_id)
         self.pending[request.custom_id] = request
 
     def _finish(self, out: RequestOutput) -> None:
         request = self.pending.pop(out.request_id)
-        body = response_body(request.url, self._generation(out), self.model_name)
+        body = response_body(request.url, self.responses.generation(out), self.model_name)
         _append(self.output, output_line(request.custom_id, body))
         self.summary.succeeded += 1
         self.bar.update()
@@ -164,20 +136,6 @@ class BatchRun:
         _append(self.errors, error_line(error))
         self.summary.failed += 1
         self.bar.update()
-
-    def _generation(self, out: RequestOutput) -> Generation:
-        logprobs = None
-        if out.logprobs is not None:
-            logprobs = [TokenLogprob(self._token(lp.token_id), lp.logprob, [(self._token(t), v) for t, v in lp.top])
-                        for lp in out.logprobs]
-        return Generation(text=out.text, finish_reason=out.finish_reason, prompt_tokens=len(out.prompt_token_ids),
-                          completion_tokens=len(out.token_ids), cached_tokens=out.num_cached_tokens,
-                          created=int(out.metrics.finish_time or time.time()), logprobs=logprobs)
-
-    def _token(self, token_id: int) -> str:
-        if token_id not in self.token_text:
-            self.token_text[token_id] = self.engine.tokenizer.decode([token_id])
-        return self.token_text[token_id]
 
 
 def _append(f: IO[str], record: dict) -> None:

@@ -35,16 +35,26 @@ def recover_expired_leases(session: Session) -> list[Work]:
     return _work(session, rows)
 
 
-def republish_stale(session: Session, older_than: float) -> list[Work]:
-    """Queued requests of in_progress batches last published more than `older_than` seconds ago. Choose it above
-    the longest time a message can wait in its queue (or check the queue is empty first): a request still waiting
-    behind a long queue gets a second message, which is harmless (claims skip it) but wasted."""
+def republish_stale(session: Session, older_than: float, models: list[str] | None = None) -> list[Work]:
+    """Queued requests of in_progress batches (of `models`, if given) last published more than `older_than` seconds
+    ago. Give only models whose queue is empty (or choose `older_than` above the longest time a message can wait):
+    a request still waiting behind a long queue gets a second message, which is harmless (claims skip it) but
+    wasted."""
     now = time.time()
+    batches = select(Batch.id).where(Batch.status == "in_progress")
+    if models is not None:
+        batches = batches.where(Batch.model.in_(models))
     rows = session.execute(update(Request)
                            .where(Request.status == "queued", Request.published_at < now - older_than,
-                                  batch_in("in_progress"))
+                                  Request.batch_id.in_(batches))
                            .values(published_at=now).returning(Request.id, Request.batch_id)).all()
     return _work(session, rows)
+
+
+def models_with_queued_requests(session: Session) -> list[str]:
+    return sorted(session.scalars(select(Batch.model).distinct()
+                                  .where(Batch.status == "in_progress", Batch.id.in_(
+                                      select(Request.batch_id).where(Request.status == "queued")))))
 
 
 def _work(session: Session, rows: list[Row]) -> list[Work]:

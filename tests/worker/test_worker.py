@@ -1,0 +1,195 @@
+"""The queue-driven GPU worker against a real PostgreSQL, Redis and `sluice worker` processes."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import pytest
+from sqlalchemy import func, select, text
+
+from api import store
+from api.models import EfficiencyWindow, Request, Result
+from worker.engine import LLM, SamplingParams
+
+PROMPTS = [f"Request number {i}: {'beautiful is better than ugly ' * (i % 5)}" for i in range(24)]
+
+
+def chat(i: int, max_tokens: int, **body) -> dict:
+    return {"custom_id": f"c{i}", "method": "POST", "url": "/v1/chat/completions",
+            "body": {"messages": [{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}], "max_tokens": max_tokens,
+                     "temperature": 0, **body}}
+
+
+def completion(i: int, max_tokens: int, **body) -> dict:
+    return {"custom_id": f"p{i}", "method": "POST", "url": "/v1/completions",
+            "body": {"prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": max_tokens, "temperature": 0, **body}}
+
+
+def long_batch(n: int = 24, max_tokens: int = 120) -> list[dict]:
+    return [completion(i, max_tokens, ignore_eos=True) for i in range(n)]
+
+
+def exactly_one_result_each(cluster, batch_id: str) -> None:
+    with cluster.sessions.begin() as s:
+        per_request = s.execute(select(Request.id, func.count(Result.request_id))
+                                .outerjoin(Result, Result.request_id == Request.id)
+                                .where(Request.batch_id == batch_id).group_by(Request.id)).all()
+    assert per_request and all(n == 1 for _, n in per_request), per_request
+
+
+def test_results_equal_the_engines_greedy_output(cluster, llama_dir):
+    chats = [chat(i, 4 + i % 9) for i in range(12)]
+    chats.append({"custom_id": "bad", "method": "POST", "url": "/v1/chat/completions", "body": {"messages": []}})
+    completions = [completion(i, 5 + i % 7) for i in range(12)]
+    completions.append(completion(99, 8) | {"custom_id": "too-long", "body": {"prompt": "x " * 3000,
+                                                                               "max_tokens": 8}})
+    cluster.start_worker()
+    chat_batch, completion_batch = cluster.submit(chats), cluster.submit(completions)
+    views = [cluster.wait_status(b, ("completed",)) for b in (chat_batch, completion_batch)]
+    assert [v["request_counts"] for v in views] == [{"total": 13, "completed": 12, "failed": 1}] * 2
+
+    llm = LLM(str(llama_dir))
+    for batch_id, lines in ((chat_batch, chats[:12]), (completion_batch, completions[:12])):
+        results = cluster.results(batch_id)
+        for line in lines:
+            body = line["body"]
+            params = SamplingParams(max_tokens=body["max_tokens"], temperature=0)
+            choice = results[line["custom_id"]]["response"]["body"]["choices"][0]
+            if "messages" in body:
+                expected, got = llm.chat(body["messages"], params)[0], choice["message"]["content"]
+            else:
+                expected, got = llm.generate(body["prompt"], params)[0], choice["text"]
+            assert got == expected.text
+            usage = results[line["custom_id"]]["response"]["body"]["usage"]
+            assert usage["completion_tokens"] == len(expected.token_ids)
+            assert usage["prompt_tokens"] == len(expected.prompt_token_ids)
+    assert cluster.errors(chat_batch)["bad"]["error"]["code"] == "invalid_value"
+    too_long = cluster.errors(completion_batch)["too-long"]["error"]
+    assert too_long["code"] == "context_length_exceeded" and "max_model_len" in too_long["message"]
+
+    usage = views[1]["usage"]
+    results = cluster.results(completion_batch)
+    assert usage["output_tokens"] == sum(r["response"]["body"]["usage"]["completion_tokens"]
+                                         for r in results.values())
+    assert usage["gpu_seconds"] > 0
+    assert usage["cost"] == pytest.approx(usage["gpu_seconds"] * 3.6 / 3600)
+    rows = cluster.result_rows(completion_batch)
+    assert all(r.e2e_seconds >= r.ttft_seconds >= r.queue_seconds >= 0 for r in rows if r.error is None)
+
+    cluster.workers[0].send_signal(signal.SIGTERM)  # a clean stop writes the last efficiency window
+    assert cluster.workers[0].wait(timeout=60) == 0
+    with cluster.sessions.begin() as s:
+        windows = s.scalars(select(EfficiencyWindow)).all()
+        assert sum(w.decode_tokens for w in windows) > 0
+        assert all(0 <= w.mean_running_seqs <= w.max_num_seqs and 0 <= w.kv_cache_use <= 1 for w in windows)
+        assert store.live_workers(s) == []
+
+
+def test_kill_9_mid_batch_then_a_new_worker_finishes_it_exactly_once(cluster):
+    first = cluster.start_worker("--max-num-seqs", "2")
+    batch_id = cluster.submit(long_batch())
+    cluster.wait_finished(batch_id, 4)
+    first.send_signal(signal.SIGKILL)
+    first.wait()
+    done_before = cluster.finished(batch_id)
+    assert done_before < 24, "the batch finished before the kill; make it longer"
+    cluster.start_worker("--max-num-seqs", "8")
+    view = cluster.wait_status(batch_id, ("completed",), timeout=180)
+    assert view["request_counts"] == {"total": 24, "completed": 24, "failed": 0}
+    exactly_one_result_each(cluster, batch_id)
+    with cluster.sessions.begin() as s:
+        assert s.scalar(select(func.max(Request.attempts)).where(Request.batch_id == batch_id)) >= 2
+
+
+def test_a_message_delivered_twice_gives_one_result(cluster):
+    lines = [completion(i, 6) for i in range(8)]
+    batch_id = cluster.submit(lines)
+    with cluster.sessions.begin() as s:
+        ids = s.scalars(select(Request.id).where(Request.batch_id == batch_id)).all()
+    from api.queue import publish_chunks
+    from api.store.batches import Work
+
+    publish_chunks(cluster.app, [Work("tiny", 5, sorted(ids))] * 2, size=4)  # every chunk twice more
+    cluster.start_worker()
+    view = cluster.wait_status(batch_id, ("completed",))
+    assert view["request_counts"] == {"total": 8, "completed": 8, "failed": 0}
+    time.sleep(2)  # let the duplicate messages be consumed too
+    exactly_one_result_each(cluster, batch_id)
+    assert cluster.redis.llen("model.tiny:5") == 0
+
+
+def test_redis_flushed_mid_batch_the_reconciler_completes_it(cluster):
+    cluster.start_worker("--max-num-seqs", "2")
+    batch_id = cluster.submit(long_batch(24, 60))
+    cluster.wait_finished(batch_id, 2)
+    cluster.redis.flushdb()  # every waiting message is gone
+    view = cluster.wait_status(batch_id, ("completed",), timeout=180)
+    assert view["request_counts"] == {"total": 24, "completed": 24, "failed": 0}
+    exactly_one_result_each(cluster, batch_id)
+
+
+def test_cancel_mid_batch_keeps_finished_results(cluster):
+    cluster.start_worker("--max-num-seqs", "2")
+    batch_id = cluster.submit(long_batch())
+    cluster.wait_finished(batch_id, 2)
+    with cluster.sessions.begin() as s:
+        store.cancel_batch(s, batch_id)
+    view = cluster.wait_status(batch_id, ("cancelled",), timeout=60)
+    finished = view["request_counts"]["completed"]
+    assert 2 <= finished < 24 and view["request_counts"]["failed"] == 0
+    assert len(cluster.results(batch_id)) == finished
+    with cluster.sessions.begin() as s:
+        statuses = dict(s.execute(select(Request.status, func.count()).where(Request.batch_id == batch_id)
+                                  .group_by(Request.status)).all())
+    assert statuses == {"completed": finished, "cancelled": 24 - finished}
+
+
+def test_expired_batch_gets_batch_expired_error_lines(cluster):
+    cluster.start_worker("--max-num-seqs", "2")
+    batch_id = cluster.submit(long_batch())
+    cluster.wait_finished(batch_id, 2)
+    with cluster.sessions.begin() as s:  # the completion window passes now
+        s.execute(text("UPDATE batches SET expires_at = :t WHERE id = :id"), {"t": time.time() - 1, "id": batch_id})
+    view = cluster.wait_status(batch_id, ("expired",), timeout=30)
+    counts = view["request_counts"]
+    assert counts["completed"] + counts["failed"] == 24 and counts["failed"] > 0
+    errors = cluster.errors(batch_id)
+    assert len(errors) == counts["failed"] and {e["error"]["code"] for e in errors.values()} == {"batch_expired"}
+    time.sleep(2)
+    exactly_one_result_each(cluster, batch_id)
+    assert cluster.batch(batch_id)["request_counts"] == counts
+
+
+def test_two_workers_share_a_batch_without_duplicating_work(cluster):
+    cluster.start_worker("--max-num-seqs", "2")
+    cluster.start_worker("--max-num-seqs", "2")
+    cluster.wait_live(2)
+    batch_id = cluster.submit(long_batch(32, 40))
+    view = cluster.wait_status(batch_id, ("completed",), timeout=180)
+    assert view["request_counts"] == {"total": 32, "completed": 32, "failed": 0}
+    exactly_one_result_each(cluster, batch_id)
+    assert len({r.worker_id for r in cluster.result_rows(batch_id)}) == 2
+    with cluster.sessions.begin() as s:
+        assert s.scalar(select(func.max(Request.attempts)).where(Request.batch_id == batch_id)) == 1
+
+
+def test_sigterm_gives_unfinished_requests_back(cluster):
+    first = cluster.start_worker("--max-num-seqs", "2")
+    batch_id = cluster.submit(long_batch(16, 400))
+    cluster.wait_finished(batch_id, 1)
+    first.send_signal(signal.SIGTERM)
+    assert first.wait(timeout=60) == 0  # grace of 5 s, then in-flight requests are released
+    assert cluster.finished(batch_id) < 16
+    with cluster.sessions.begin() as s:
+        assert not s.scalar(select(func.count()).where(Request.batch_id == batch_id, Request.status == "running"))
+    cluster.start_worker("--max-num-seqs", "8")
+    view = cluster.wait_status(batch_id, ("completed",), timeout=240)
+    assert view["request_counts"] == {"total": 16, "completed": 16, "failed": 0}
+    exactly_one_result_each(cluster, batch_id)
+
+
+def test_a_model_without_a_live_worker_stays_queued_and_says_so(cluster):
+    batch_id = cluster.submit([completion(0, 4)])
+    view = cluster.batch(batch_id)
+    assert view["status"] == "in_progress" and view["waiting_for_worker"] is True

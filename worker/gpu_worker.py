@@ -1,0 +1,234 @@
+"""The GPU worker: one engine behind a bridge, Celery task threads feeding it chunks of requests, with leases,
+heartbeats, efficiency windows and a reconciliation timer running beside them.
+
+A chunk is claimed (queued -> running under a lease), run, and its results written in one transaction before
+the task returns, so Celery acks the message only once the results are stored (acks_late).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import signal
+import socket
+import threading
+import time
+import uuid
+from concurrent.futures import CancelledError
+from dataclasses import dataclass
+
+from celery import Celery
+from pydantic import ValidationError
+from sqlalchemy.exc import DBAPIError
+from sqlalchemy.orm import Session, sessionmaker
+
+from api import models, store
+from api.schemas import BODIES, response_body
+from worker.bridge import EfficiencyWindow, EngineBridge
+from worker.engine import LLMEngine, RequestOutput, RequestRejected
+from worker.reconcile import STALE_SECONDS, reconcile_once
+from worker.translate import PromptError, Responses, engine_inputs
+
+log = logging.getLogger(__name__)
+DB_ATTEMPTS = 5  # transient database errors (a restart, a deadlock victim) are retried with backoff
+
+
+@dataclass
+class WorkerSettings:
+    served_model_name: str
+    model: str
+    lease_seconds: float = 60.0
+    heartbeat_seconds: float = 10.0
+    reconcile_seconds: float = 30.0
+    stale_seconds: float = STALE_SECONDS
+    shutdown_grace_seconds: float = 30.0
+    window_seconds: float = 10.0
+
+
+@dataclass
+class ChunkOutcome:
+    finished: list[int]
+    released: list[int]
+
+
+class GpuWorker:
+    def __init__(self, engine: LLMEngine, settings: WorkerSettings, sessions: sessionmaker[Session], app: Celery):
+        self.engine, self.settings, self.sessions, self.app = engine, settings, sessions, app
+        self.id = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        self.windows: queue.Queue[EfficiencyWindow] = queue.Queue()
+        self.bridge = EngineBridge(engine, settings.window_seconds, on_window=self.windows.put)
+        self.responses = Responses(engine)
+        self.in_flight: set[int] = set()
+        self.lock = threading.Lock()
+        self.stopping = threading.Event()
+        self.closed = threading.Event()
+        self._maintenance = threading.Thread(target=self._maintain, name="maintenance", daemon=True)
+
+    def start(self) -> GpuWorker:
+        store.gpu_hour_cost()  # a bad SLUICE_GPU_HOUR_COST fails at start, not at the first result
+        self._heartbeat("running")
+        self.bridge.start()
+        self._maintenance.start()
+        return self
+
+    # --- a chunk, on a Celery task thread
+
+    def run_chunk(self, request_ids: list[int]) -> ChunkOutcome:
+        if self.stopping.is_set():
+            return ChunkOutcome([], list(request_ids))
+        claimed = self._db(lambda s: store.claim(s, request_ids, self.id, self.settings.lease_seconds))
+        with self.lock:
+            self.in_flight.update(c.id for c in claimed)
+        try:
+            results, aborted = self._run(claimed)
+            finished = self._db(lambda s: store.write_results(s, results, self.id))
+            released = self._settle_aborted(aborted)
+        finally:
+            with self.lock:
+                self.in_flight.difference_update(c.id for c in claimed)
+        return ChunkOutcome(finished, released)
+
+    def _run(self, claimed: list[store.Claimed]) -> tuple[list[store.RequestResult], list[int]]:
+        results, waiting = [], []
+        for c in claimed:
+            try:
+                body = BODIES[c.url].model_validate(c.body)
+                token_ids, params = engine_inputs(self.engine, c.url, body)
+            except (PromptError, ValidationError) as e:
+                results.append(_error(c, getattr(e, "code", "invalid_value"), str(e), getattr(e, "param", "body")))
+                continue
+            waiting.append((c, self.bridge.submit(str(c.id), token_ids, params, c.priority, c.created_at)))
+        aborted = []
+        for c, future in waiting:
+            try:
+                out = future.result()
+            except RequestRejected as e:
+                results.append(_error(c, e.code, str(e), "body"))
+            except CancelledError:
+                aborted.append(c.id)
+            else:
+                results.append(self._result(c, out))
+        return results, aborted
+
+    def _result(self, c: store.Claimed, out: RequestOutput) -> store.RequestResult:
+        m = out.metrics
+        since = lambda t: None if t is None else max(t - c.created_at, 0.0)
+        body = response_body(c.url, self.responses.generation(out), self.settings.served_model_name)
+        return store.RequestResult(c.id, response=body, prompt_tokens=len(out.prompt_token_ids),
+                                   cached_tokens=out.num_cached_tokens, completion_tokens=len(out.token_ids),
+                                   queue_seconds=since(m.first_scheduled_time), ttft_seconds=since(m.first_token_time),
+                                   e2e_seconds=since(m.finish_time), gpu_seconds=m.gpu_seconds)
+
+    def _settle_aborted(self, aborted: list[int]) -> list[int]:
+        """Aborted because this worker is stopping: give them back; because their batch is cancelling: record it
+        (expired ones already have their error result, and taken-over ones belong to another worker now)."""
+        if not aborted:
+            return []
+        if self.stopping.is_set():
+            return self._db(lambda s: store.release(s, aborted, self.id))
+        self._db(lambda s: store.mark_cancelled(s, aborted, self.id))
+        return []
+
+    # --- shutdown
+
+    def begin_shutdown(self) -> None:
+        """Take no new chunks; let running ones finish for the grace period, then give their requests back."""
+        if self.stopping.is_set():
+            return
+        self.stopping.set()
+        self._heartbeat("stopping")
+        threading.Timer(self.settings.shutdown_grace_seconds, self.bridge.stop).start()
+
+    def close(self) -> None:
+        self.stopping.set()
+        self.bridge.stop(timeout=30)
+        self.closed.set()
+        self._maintenance.join(timeout=30)
+        self._flush_windows()
+        self._heartbeat("stopped")
+
+    # --- maintenance thread: leases, heartbeats, efficiency windows, reconciliation
+
+    def _maintain(self) -> None:
+        due = {"lease": 0.0, "beat": 0.0, "reconcile": 0.0}
+        while not self.closed.wait(0.5):
+            now = time.monotonic()
+            try:
+                if now >= due["lease"]:
+                    due["lease"] = now + self.settings.lease_seconds / 3
+                    self._renew_leases()
+                if now >= due["beat"]:
+                    due["beat"] = now + self.settings.heartbeat_seconds
+                    self._flush_windows()
+                    self._heartbeat("stopping" if self.stopping.is_set() else "running")
+                if now >= due["reconcile"] and not self.stopping.is_set():
+                    due["reconcile"] = now + self.settings.reconcile_seconds
+                    reconcile_once(self.sessions, self.app, self.settings.stale_seconds)
+            except Exception:  # the database or broker may be down for a while; keep going
+                log.exception("maintenance pass failed; retrying")
+            if self.bridge.error is not None:
+                log.error("the engine thread died: %r", self.bridge.error)
+                os.kill(os.getpid(), signal.SIGTERM)  # Celery's warm shutdown
+                return
+
+    def _renew_leases(self) -> None:
+        with self.lock:
+            ids = sorted(self.in_flight)
+        if ids:
+            for request_id in self._db(lambda s: store.renew_leases(s, ids, self.id, self.settings.lease_seconds)):
+                self.bridge.abort(str(request_id))
+
+    def _flush_windows(self) -> None:
+        rows = []
+        while not self.windows.empty():
+            w = self.windows.get_nowait()
+            rows.append(models.EfficiencyWindow(
+                worker_id=self.id, model=self.settings.served_model_name, window_start=w.start, window_end=w.end,
+                steps=w.steps, prefill_tokens=w.prefill_tokens, decode_tokens=w.decode_tokens,
+                mean_running_seqs=w.mean_running, max_running_seqs=w.max_running, max_num_seqs=w.max_num_seqs,
+                token_budget_use=w.token_budget_use, kv_cache_use=w.kv_cache_use, preemptions=w.preemptions,
+                prefix_cache_queries=w.prefix_cache_queries, prefix_cache_hits=w.prefix_cache_hits,
+                busy_seconds=w.busy_seconds, idle_seconds=w.idle_seconds))
+        if rows:
+            self._db(lambda s: [store.record_efficiency(s, row) for row in rows])
+
+    def _heartbeat(self, status: str) -> None:
+        self._db(lambda s: store.heartbeat(s, self.id, hostname=socket.gethostname(), pid=os.getpid(),
+                                           model=self.settings.model,
+                                           served_model_name=self.settings.served_model_name, status=status))
+
+    def _db(self, work):
+        """Run `work(session)` in a transaction, retrying transient database errors with backoff."""
+        for attempt in range(DB_ATTEMPTS):
+            try:
+                with self.sessions.begin() as session:
+                    return work(session)
+            except DBAPIError as e:
+                if attempt == DB_ATTEMPTS - 1 or not (e.connection_invalidated or _transient(e)):
+                    raise
+                log.warning("database error, retrying: %s", e.orig)
+                time.sleep(0.2 * 2 ** attempt)
+
+
+def _transient(e: DBAPIError) -> bool:
+    from sqlalchemy.exc import OperationalError
+
+    return isinstance(e, OperationalError) or "deadlock" in str(e.orig).lower()
+
+
+def _error(c: store.Claimed, code: str, message: str, param: str | None) -> store.RequestResult:
+    return store.RequestResult(c.id, error={"code": code, "message": message, "param": param}, status_code=400)
+
+
+_current: GpuWorker | None = None
+
+
+def current() -> GpuWorker | None:
+    """The GPU worker of this process, if it is one (the CPU worker for webhooks has none)."""
+    return _current
+
+
+def install(worker: GpuWorker | None) -> None:
+    global _current
+    _current = worker

@@ -1,0 +1,60 @@
+"""Between OpenAI request bodies and the engine: prompt tokens and SamplingParams in, response bodies out."""
+
+from __future__ import annotations
+
+import time
+
+from jinja2 import TemplateError
+
+from api.schemas import CHAT_URL, PROMPT_FIELDS, Body, Generation, TokenLogprob, chat_messages, sampling_args
+from worker.engine import LLMEngine, RequestOutput, RequestRejected, SamplingParams
+
+
+class PromptError(ValueError):
+    """A valid body the engine cannot run; `code` and `param` in OpenAI's terms."""
+
+    def __init__(self, code: str, message: str, param: str):
+        super().__init__(message)
+        self.code, self.param = code, param
+
+
+def engine_inputs(engine: LLMEngine, url: str, body: Body) -> tuple[list[int], SamplingParams]:
+    """The prompt's token ids (chat template applied) and sampling parameters; PromptError if it cannot run."""
+    if url == CHAT_URL:
+        try:
+            token_ids = engine.encode_chat(chat_messages(body))
+        except (TemplateError, ValueError) as e:
+            raise PromptError("invalid_prompt", f"the chat template failed: {e}", "body.messages") from None
+    else:
+        token_ids = engine.encode(body.prompt)
+    try:
+        params = SamplingParams(**sampling_args(body, engine.max_request_tokens - len(token_ids)))
+    except ValueError as e:  # the schema's limits match SamplingParams'; never lose the batch if they drift
+        raise PromptError("invalid_value", str(e), "body") from None
+    try:
+        engine.check(token_ids, params)
+    except RequestRejected as e:
+        raise PromptError(e.code, str(e), PROMPT_FIELDS[url]) from None
+    return token_ids, params
+
+
+class Responses:
+    """Builds response generations from engine outputs, caching each token's text for logprobs."""
+
+    def __init__(self, engine: LLMEngine):
+        self.tokenizer = engine.tokenizer
+        self.token_text: dict[int, str] = {}
+
+    def generation(self, out: RequestOutput) -> Generation:
+        logprobs = None
+        if out.logprobs is not None:
+            logprobs = [TokenLogprob(self._token(lp.token_id), lp.logprob, [(self._token(t), v) for t, v in lp.top])
+                        for lp in out.logprobs]
+        return Generation(text=out.text, finish_reason=out.finish_reason, prompt_tokens=len(out.prompt_token_ids),
+                          completion_tokens=len(out.token_ids), cached_tokens=out.num_cached_tokens,
+                          created=int(out.metrics.finish_time or time.time()), logprobs=logprobs)
+
+    def _token(self, token_id: int) -> str:
+        if token_id not in self.token_text:
+            self.token_text[token_id] = self.tokenizer.decode([token_id])
+        return self.token_text[token_id]

@@ -1,0 +1,64 @@
+"""`sluice worker`: a GPU worker process, one engine fed by a Celery worker on the model's queue (threads pool).
+
+The engine is built in this process and no process is forked after it (the threads pool never forks), so CUDA
+is initialised once, where it is used. SIGTERM is Celery's warm shutdown: no new messages are taken, running
+chunks get a grace period to finish, then their requests are given back and their messages requeued.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+from worker.cli import UsageError, add_engine_args, load_engine, served_model_name
+
+
+def add_worker_parser(commands) -> None:
+    parser = commands.add_parser("worker", help="run a GPU worker on the queue of its model")
+    add_engine_args(parser)
+    ops = parser.add_argument_group("worker")
+    ops.add_argument("--concurrency", type=int, metavar="N",
+                     help="chunks run at once (default: enough to fill max_num_seqs twice over)")
+    ops.add_argument("--lease-seconds", type=float, default=60.0, metavar="S",
+                     help="a claimed request returns to the queue this long after its worker stops renewing it")
+    ops.add_argument("--reconcile-seconds", type=float, default=30.0, metavar="S",
+                     help="how often this worker also runs the reconciler")
+    ops.add_argument("--stale-seconds", type=float, default=30.0, metavar="S",
+                     help="re-send queued requests published this long ago when their queue is empty (lost messages)")
+    ops.add_argument("--shutdown-grace-seconds", type=float, default=30.0, metavar="S",
+                     help="on SIGTERM, how long running chunks may take before their requests are given back")
+    ops.add_argument("--loglevel", default="INFO")
+    parser.set_defaults(handler=worker_command)
+
+
+def worker_command(args: argparse.Namespace) -> int:
+    from celery.signals import worker_shutting_down
+
+    from api import db
+    from api.queue import chunk_size, model_queue
+    from worker import gpu_worker
+    from worker.celery_app import app
+    from worker.gpu_worker import GpuWorker, WorkerSettings
+
+    logging.basicConfig(level=args.loglevel.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    engine = load_engine(args)
+    name = served_model_name(args)
+    settings = WorkerSettings(name, args.model, lease_seconds=args.lease_seconds,
+                              reconcile_seconds=args.reconcile_seconds, stale_seconds=args.stale_seconds,
+                              shutdown_grace_seconds=args.shutdown_grace_seconds)
+    try:
+        sessions = db.session_factory(db.make_engine())
+        worker = GpuWorker(engine, settings, sessions, app).start()
+    except Exception as e:
+        raise UsageError(f"cannot reach the database ({db.database_url()}): {e}") from None
+    gpu_worker.install(worker)
+    worker_shutting_down.connect(lambda **_: worker.begin_shutdown(), weak=False)
+    concurrency = args.concurrency or 2 * -(-engine.config.max_num_seqs // chunk_size())
+    try:
+        app.worker_main(["worker", "-Q", model_queue(name), "-P", "threads", "-c", str(concurrency),
+                         "-n", f"gpu-{worker.id}@%h", "--loglevel", args.loglevel, "--without-gossip",
+                         "--without-mingle"])
+    finally:
+        worker.close()
+        gpu_worker.install(None)
+    return 0
