@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from worker.engine.sequence import Sequence, TokenLogprobs
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestMetrics:
     arrival_time: float
     first_scheduled_time: float | None
@@ -17,7 +17,7 @@ class RequestMetrics:
     num_preemptions: int
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestOutput:
     request_id: str
     prompt: str | None

@@ -30,22 +30,22 @@ class Scheduler:
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.prefill_first = config.scheduling_policy == "prefill_first"
         self.block_manager = block_manager
-        self.waiting: list[tuple[tuple[int, int], Sequence]] = []
+        self.waiting: list[tuple[tuple[int, int], Sequence]] = []  # aborted entries are dropped lazily
+        self.num_waiting = 0
         self.running: list[Sequence] = []
-
-    @property
-    def num_waiting(self) -> int:
-        return sum(1 for _, s in self.waiting if not s.is_finished)
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
         heapq.heappush(self.waiting, (seq.rank, seq))
+        self.num_waiting += 1
 
     def finish(self, seq: Sequence) -> None:
         """Take a sequence out of scheduling for good (done or aborted) and give its blocks back."""
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
-        seq.status = SequenceStatus.FINISHED  # a waiting one is dropped lazily from the heap
+        elif seq.status is SequenceStatus.WAITING:
+            self.num_waiting -= 1
+        seq.status = SequenceStatus.FINISHED
         self.block_manager.free(seq)
 
     def has_work(self) -> bool:
@@ -113,6 +113,7 @@ class _Step:
                 seq.num_computed_tokens = 0
                 return
             heapq.heappop(self.s.waiting)
+            self.s.num_waiting -= 1
             if seq.num_preemptions == 0:
                 seq.num_cached_tokens = cached
             self.out.prefix_queries += seq.num_tokens

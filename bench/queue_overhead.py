@@ -1,0 +1,159 @@
+"""What the queue-and-database path costs: 10,000 short requests from many producers through Redis, Postgres and
+one `sluice worker`, against the same requests through the engine alone, in one run.
+
+Prints requests/s and output tokens/s of both, the overhead, and the Postgres rows and Redis messages (and
+commands) per request. Needs the local PostgreSQL and Redis (creates and drops its own database, uses Redis db 15).
+Run: python bench/queue_overhead.py [--requests 10000] [--producers 8] [--model demo]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import redis
+from sqlalchemy import create_engine, text
+
+from api import db, store
+from api.queue import make_app, publish_chunks
+from worker.engine import LLM, SamplingParams
+
+ADMIN_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
+BROKER_URL = "redis://127.0.0.1:6379/15"
+ENGINE_FLAGS = {"max_num_seqs": 256, "max_num_batched_tokens": 4096}
+
+
+def lines(n: int, max_tokens: int, offset: int) -> list[dict]:
+    return [{"custom_id": f"r{offset + i}", "method": "POST", "url": "/v1/chat/completions",
+             "body": {"messages": [{"role": "user", "content": f"Summarise item {offset + i} in a few words."}],
+                      "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}} for i in range(n)]
+
+
+def engine_alone(model: str, requests: list[dict]) -> tuple[float, int]:
+    llm = LLM(model, **ENGINE_FLAGS)
+    start = time.perf_counter()
+    for line in requests:
+        body = line["body"]
+        llm.add_request(llm.encode_chat(body["messages"]),
+                        SamplingParams(max_tokens=body["max_tokens"], temperature=0, ignore_eos=True))
+    tokens = 0
+    while llm.has_unfinished_requests():
+        tokens += len(llm.step())
+    return time.perf_counter() - start, tokens
+
+
+def pg_writes(engine) -> int:
+    with engine.connect() as c:
+        return int(c.execute(text("SELECT coalesce(sum(n_tup_ins + n_tup_upd + n_tup_del), 0) "
+                                  "FROM pg_stat_user_tables")).scalar())
+
+
+def redis_commands(client: redis.Redis) -> int:
+    return int(client.info("stats")["total_commands_processed"])
+
+
+def through_the_queue(url: str, model: str, requests: list[dict], producers: int) -> dict:
+    env = {**os.environ, "SLUICE_DATABASE_URL": url, "SLUICE_BROKER_URL": BROKER_URL}
+    worker = subprocess.Popen([sys.executable, "-m", "worker", "worker", "--model", model, "--served-model-name",
+                               "bench", "--loglevel", "WARNING", "--max-num-seqs", str(ENGINE_FLAGS["max_num_seqs"]),
+                               "--max-num-batched-tokens", str(ENGINE_FLAGS["max_num_batched_tokens"])], env=env)
+    engine = db.make_engine(url)
+    sessions = db.session_factory(engine)
+    app = make_app(BROKER_URL)
+    client = redis.Redis.from_url(BROKER_URL)
+    try:
+        while True:  # wait for the worker: its start-up is not what is measured
+            with sessions.begin() as s:
+                if store.live_workers(s, "bench"):
+                    break
+            time.sleep(0.2)
+        time.sleep(1.0)
+        writes, commands = pg_writes(engine), redis_commands(client)
+        batch_ids, messages, lock = [], [0], threading.Lock()
+        share = -(-len(requests) // producers)
+
+        def produce(part: list[dict]) -> None:
+            data = "".join(json.dumps(line) + "\n" for line in part).encode()
+            with sessions.begin() as s:
+                tenant = store.get_or_create_tenant(s, store.DEFAULT_TENANT)
+                file = store.store_file(s, tenant.id, "in.jsonl", "batch", data)
+                batch, work = store.create_batch(s, tenant.id, file.id, model="bench")
+            sent = publish_chunks(app, [work])
+            with lock:
+                messages[0] += sent
+                batch_ids.append(batch.id)
+
+        start = time.perf_counter()
+        threads = [threading.Thread(target=produce, args=(requests[i:i + share],))
+                   for i in range(0, len(requests), share)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        while True:  # a cheap poll: the bench must not steal the CPU it measures
+            with sessions.begin() as s:
+                done = all(store.get_batch(s, b).status == "completed" for b in batch_ids)
+            if done:
+                break
+            time.sleep(0.05)
+        seconds = time.perf_counter() - start
+        with sessions.begin() as s:
+            views = [store.batch_view(s, store.get_batch(s, b)) for b in batch_ids]
+        time.sleep(1.5)  # pg_stat counters are flushed by the backends after their transactions
+        return {"seconds": seconds, "tokens": sum(v["usage"]["output_tokens"] for v in views),
+                "pg_writes": pg_writes(engine) - writes, "messages": messages[0],
+                "redis_commands": redis_commands(client) - commands}
+    finally:
+        worker.terminate()
+        worker.wait(timeout=60)
+        engine.dispose()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--requests", type=int, default=10_000)
+    ap.add_argument("--producers", type=int, default=8)
+    ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--model", default="demo")
+    args = ap.parse_args()
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    requests = lines(args.requests, args.max_tokens, 0)
+    alone_s, alone_tokens = engine_alone(args.model, requests)
+
+    admin = create_engine(ADMIN_URL, isolation_level="AUTOCOMMIT")
+    name = f"sluice_bench_{uuid.uuid4().hex[:8]}"
+    with admin.connect() as c:
+        c.execute(text(f'CREATE DATABASE "{name}"'))
+    url = admin.url.set(database=name).render_as_string(hide_password=False)
+    redis.Redis.from_url(BROKER_URL).flushdb()
+    try:
+        migrated = db.make_engine(url)
+        db.upgrade(migrated)
+        migrated.dispose()
+        q = through_the_queue(url, args.model, requests, args.producers)
+    finally:
+        with admin.connect() as c:
+            c.execute(text(f'DROP DATABASE "{name}" WITH (FORCE)'))
+        redis.Redis.from_url(BROKER_URL).flushdb()
+    n = len(requests)
+    print(f"{n} chat requests, {args.max_tokens} output tokens each, model {args.model}, {args.producers} producers, "
+          f"one worker (max_num_seqs {ENGINE_FLAGS['max_num_seqs']})")
+    print(f"{'path':34s} {'seconds':>8s} {'req/s':>8s} {'tok/s':>9s}")
+    print(f"{'engine alone (in-process)':34s} {alone_s:8.1f} {n / alone_s:8.1f} {alone_tokens / alone_s:9.0f}")
+    print(f"{'producers -> Redis -> worker -> PG':34s} {q['seconds']:8.1f} {n / q['seconds']:8.1f} "
+          f"{q['tokens'] / q['seconds']:9.0f}")
+    print(f"queue-and-database overhead: {1 - alone_s / q['seconds']:.1%} of the engine's throughput")
+    print(f"per request: {q['pg_writes'] / n:.2f} Postgres rows written (inserts+updates), "
+          f"{q['messages'] / n:.3f} Redis messages ({q['messages']} chunks), "
+          f"{q['redis_commands'] / n:.2f} Redis commands")
+
+
+if __name__ == "__main__":
+    main()
