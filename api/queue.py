@@ -43,16 +43,11 @@ def model_queue(served_model_name: str) -> str:
     return f"model.{served_model_name}"
 
 
-def priority_queue_names(queue: str) -> list[str]:
-    """The Redis lists one queue is made of: priority 0 under the queue's own name, p under "<queue>:<p>"."""
-    return [queue if p == 0 else f"{queue}:{p}" for p in PRIORITIES]
-
-
 def queue_depth(app: Celery, queue: str) -> int:
-    """Messages waiting in a queue (all priorities), read from Redis; messages being run are not counted."""
+    """Messages waiting in a queue, all priorities (Redis keeps one list per priority); messages being run are not
+    counted. Asked through kombu, so it works on any transport (Redis, or memory:// in `sluice serve`)."""
     with app.connection_for_read() as connection:
-        client = connection.default_channel.client
-        return sum(client.llen(name) for name in priority_queue_names(queue))
+        return connection.default_channel.queue_declare(queue=queue, passive=False).message_count
 
 
 def make_app(broker: str | None = None) -> Celery:
