@@ -5,33 +5,57 @@ the work becomes visible: `with sessions.begin() as session: ...` (see api.db). 
 is for after the commit. Refusals raise StoreError subclasses whose message names the problem; nothing is stored.
 """
 
-from api.store.batches import DEFAULT_PRIORITY, MAX_LINES, Work, create_batch
-from api.store.common import InvalidInput, NotFound, StoreError
+from api.store.batches import DEFAULT_PRIORITY, MAX_LINES, Work, create_batch, create_request, input_file_problem
+from api.store.common import REQUEST_PREFIX, Conflict, InvalidInput, NotFound, StoreError
 from api.store.files import MAX_FILE_BYTES, file_content, get_file, store_file
 from api.store.leases import Claimed, RequestResult, claim, mark_cancelled, release, renew_leases, write_results
 from api.store.lifecycle import cancel_batch, expire_batches
+from api.store.listing import delete_file, list_batches, list_files
+from api.store.metrics import kv_cache_use, latency_histogram, requests_by_status, token_totals
 from api.store.recovery import models_with_queued_requests, recover_expired_leases, republish_stale
-from api.store.tenants import DEFAULT_TENANT, create_api_key, get_or_create_tenant, resolve_api_key, revoke_api_key
+from api.store.tenants import (
+    DEFAULT_TENANT,
+    create_api_key,
+    find_api_key,
+    get_or_create_tenant,
+    resolve_api_key,
+    revoke_api_key,
+)
 from api.store.usage import DayUsage, batch_usage, cost, gpu_hour_cost, tenant_usage
 from api.store.views import (
     batch_view,
     error_file_id,
     error_lines,
+    file_page,
     get_batch,
     output_file_id,
     output_lines,
+    request_view,
+    result_page,
     view_file,
 )
-from api.store.webhooks import EVENTS, create_webhook_endpoint
+from api.store.webhooks import (
+    EVENTS,
+    create_webhook_endpoint,
+    delete_webhook_endpoint,
+    due_deliveries,
+    get_webhook_endpoint,
+    list_deliveries,
+    list_webhook_endpoints,
+    new_deliveries,
+)
 from api.store.workers import efficiency_windows, heartbeat, live_workers, record_efficiency
 
 __all__ = [
-    "DEFAULT_PRIORITY", "DEFAULT_TENANT", "EVENTS", "MAX_FILE_BYTES", "MAX_LINES", "Claimed", "DayUsage",
-    "InvalidInput", "NotFound", "RequestResult", "StoreError", "Work", "batch_usage", "batch_view", "cancel_batch",
-    "claim", "cost", "create_api_key", "create_batch", "create_webhook_endpoint", "efficiency_windows",
-    "error_file_id", "error_lines", "expire_batches", "file_content", "get_batch", "get_file", "get_or_create_tenant",
-    "gpu_hour_cost", "heartbeat", "live_workers", "mark_cancelled", "models_with_queued_requests", "output_file_id",
-    "output_lines",
-    "record_efficiency", "recover_expired_leases", "release", "renew_leases", "republish_stale", "resolve_api_key",
-    "revoke_api_key", "store_file", "tenant_usage", "view_file", "write_results",
+    "Claimed", "Conflict", "DEFAULT_PRIORITY", "DEFAULT_TENANT", "DayUsage", "EVENTS", "InvalidInput",
+    "MAX_FILE_BYTES", "MAX_LINES", "NotFound", "REQUEST_PREFIX", "RequestResult", "StoreError", "Work", "batch_usage",
+    "batch_view", "cancel_batch", "claim", "cost", "create_api_key", "create_batch", "create_request",
+    "create_webhook_endpoint", "delete_file", "delete_webhook_endpoint", "due_deliveries", "efficiency_windows",
+    "error_file_id", "error_lines", "expire_batches", "file_content", "file_page", "find_api_key", "get_batch",
+    "get_file", "get_or_create_tenant", "get_webhook_endpoint", "gpu_hour_cost", "heartbeat", "input_file_problem",
+    "kv_cache_use", "latency_histogram", "list_batches", "list_deliveries", "list_files", "list_webhook_endpoints",
+    "live_workers", "mark_cancelled", "models_with_queued_requests", "new_deliveries", "output_file_id",
+    "output_lines", "record_efficiency", "recover_expired_leases", "release", "renew_leases", "republish_stale",
+    "request_view", "requests_by_status", "resolve_api_key", "result_page", "revoke_api_key", "store_file",
+    "tenant_usage", "token_totals", "view_file", "write_results",
 ]

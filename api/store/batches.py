@@ -3,10 +3,14 @@
 A bad line becomes a failed request whose result holds the error, so the error file shows it; the batch itself
 fails only when the file as a whole is unusable: empty, not JSONL at all, or longer than the line limit. A batch has
 one endpoint and one model, as in OpenAI: given by the caller, or else taken from its first valid line.
+
+A single request (POST /v1/requests) is stored as a one-request batch of its own, with an id of its own prefix
+(req_...), so that it runs, is accounted and expires exactly as a batch's line does.
 """
 
 from __future__ import annotations
 
+import json
 import re
 import time
 from dataclasses import dataclass
@@ -16,8 +20,8 @@ from sqlalchemy import insert, select
 from sqlalchemy.orm import Session
 
 from api.models import Batch, Request, Result
-from api.schemas import BODIES, BatchRequest, BatchValidator, LineError, line_error
-from api.store.common import InvalidInput, error_result, new_id
+from api.schemas import BODIES, BatchRequest, BatchValidator, LineError, line_error, parse_line
+from api.store.common import REQUEST_PREFIX, InvalidInput, error_result, new_id
 from api.store.files import file_content, get_file
 from api.store.lifecycle import settle
 from api.store.webhooks import notify
@@ -97,8 +101,7 @@ def create_batch(session: Session, tenant_id: int, input_file_id: str, *, endpoi
                   metadata_=metadata, request_total=0, request_completed=0, request_failed=0, created_at=now,
                   expires_at=now + window_seconds)
     session.add(batch)
-    lines = [(number, raw) for number, raw in enumerate(file_content(session, input_file_id).split(b"\n"), 1)
-             if raw.strip()]
+    lines = _lines(file_content(session, input_file_id))
     if problem := _file_problem(lines, max_lines):
         return _fail(session, batch, problem, now), None
     rules = _Rules(endpoint, model, model is not None)
@@ -124,6 +127,57 @@ def create_batch(session: Session, tenant_id: int, input_file_id: str, *, endpoi
         settle(session, batch.id, now)
         return batch, None
     return batch, Work(batch.model, priority, queued)
+
+
+def input_file_problem(data: bytes, max_lines: int = MAX_LINES) -> dict[str, Any] | None:
+    """Why a batch input file is unusable as a whole (empty, too many lines, no line a JSON object), as a batch error;
+    None when a batch can be made of it. The API refuses such an upload rather than fail every batch made of it."""
+    lines = _lines(data)
+    if problem := _file_problem(lines, max_lines):
+        return problem
+    if any(isinstance(_json(raw), dict) for _, raw in lines):
+        return None
+    number, raw = lines[0]
+    return {"code": "invalid_jsonl", "message": f"the file is not JSONL: no line is a JSON object; "
+            f"{parse_line(raw, number).message}", "param": None, "line": number}
+
+
+def create_request(session: Session, tenant_id: int, endpoint: str, body: dict[str, Any],
+                   completion_window: str = "24h") -> tuple[Batch, Work]:
+    """Store one chat or completion body, whose `model` names the served model, as a one-request batch; returns it
+    and the work to publish after commit. A bad body raises InvalidInput naming the field; nothing is stored."""
+    if endpoint not in BODIES:
+        raise InvalidInput(f"endpoint {endpoint!r} is not supported; use one of {', '.join(BODIES)}", "endpoint")
+    request_id = new_id(REQUEST_PREFIX)
+    line = json.dumps({"custom_id": request_id, "method": "POST", "url": endpoint, "body": body})
+    checked = parse_line(line, 1)
+    if isinstance(checked, LineError):
+        raise InvalidInput(checked.message.removeprefix("line 1: "), checked.param)
+    model = checked.body.model
+    if model is None or (problem := _model_problem(model)):
+        raise InvalidInput("body.model: " + (problem if model is not None else "required field is missing"),
+                           "body.model")
+    now = time.time()
+    batch = Batch(id=request_id, tenant_id=tenant_id, endpoint=endpoint, input_file_id="",
+                  completion_window=completion_window, model=model, priority=DEFAULT_PRIORITY, status="in_progress",
+                  request_total=1, request_completed=0, request_failed=0, created_at=now, in_progress_at=now,
+                  expires_at=now + _window_seconds(completion_window))
+    session.add(batch)
+    session.flush()
+    session.execute(insert(Request), [_request_row(batch.id, checked, now)])
+    request_ids = list(session.scalars(select(Request.id).where(Request.batch_id == batch.id)))
+    return batch, Work(model, DEFAULT_PRIORITY, request_ids)
+
+
+def _lines(data: bytes) -> list[tuple[int, bytes]]:
+    return [(number, raw) for number, raw in enumerate(data.split(b"\n"), 1) if raw.strip()]
+
+
+def _json(raw: bytes) -> Any:
+    try:
+        return json.loads(raw)
+    except ValueError:
+        return None
 
 
 def _model_problem(name: str) -> str | None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
-from sqlalchemy import Select, and_, or_, select
+from sqlalchemy import Select, and_, or_, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
@@ -24,6 +24,13 @@ class InvalidInput(StoreError):
     def __init__(self, message: str, param: str | None = None):
         super().__init__(message)
         self.param = param
+
+
+class Conflict(InvalidInput):
+    """A valid request that the object's current state refuses (cancelling a finished batch)."""
+
+
+REQUEST_PREFIX = "req_"  # a single request's one-request batch: kept out of batch lists and batch webhooks
 
 
 def new_id(prefix: str) -> str:
@@ -54,6 +61,12 @@ def lock_batches(session: Session, batch_ids: Select | list[str]) -> list[str]:
     """
     rows = session.scalars(select(Batch.id).where(Batch.id.in_(batch_ids)).order_by(Batch.id).with_for_update())
     return list(rows)
+
+
+def update_requests():
+    """An UPDATE of requests that skips the ORM's session synchronization: these paths hold no loaded Request
+    objects, and on a worker's hot path that bookkeeping costs more than the statement."""
+    return update(Request).execution_options(synchronize_session=False)
 
 
 def batch_in(*statuses: str):

@@ -12,11 +12,11 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import select, update
+from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from api.models import Batch, Request, Result
-from api.store.common import batch_in, held_or_free, insert, lease_expired, lock_batches
+from api.store.common import batch_in, held_or_free, insert, lease_expired, lock_batches, update_requests
 from api.store.lifecycle import count_finished, settle
 from api.store.usage import cost
 
@@ -68,7 +68,7 @@ def claim(session: Session, request_ids: list[int], worker_id: str, lease_second
     (finished, cancelled, or held by a live worker) are skipped. Commit before running them."""
     now = time.time()
     rows = session.execute(
-        update(Request)
+        update_requests()
         .where(Request.id.in_(request_ids), (Request.status == "queued") | lease_expired(now), batch_in("in_progress"))
         .values(status="running", attempts=Request.attempts + 1, lease_owner=worker_id,
                 lease_expires_at=now + lease_seconds)
@@ -84,7 +84,7 @@ def renew_leases(session: Session, request_ids: list[int], worker_id: str, lease
     """Extend the worker's leases on requests it is running; returns those it should abort instead: their batch is
     cancelling or expired, or another worker took them over after the lease ran out."""
     renewed = session.scalars(
-        update(Request)
+        update_requests()
         .where(Request.id.in_(request_ids), Request.status == "running", Request.lease_owner == worker_id,
                batch_in("in_progress"))
         .values(lease_expires_at=time.time() + lease_seconds).returning(Request.id)).all()
@@ -97,7 +97,7 @@ def release(session: Session, request_ids: list[int], worker_id: str) -> list[in
     lock_batches(session, select(Request.batch_id).where(Request.id.in_(request_ids)))
     mine = (Request.id.in_(request_ids), Request.status == "running", Request.lease_owner == worker_id)
     cleared = {"lease_owner": None, "lease_expires_at": None}
-    queued = session.scalars(update(Request).where(*mine, batch_in("in_progress"))
+    queued = session.scalars(update_requests().where(*mine, batch_in("in_progress"))
                              .values(status="queued", **cleared).returning(Request.id)).all()
     return sorted([*queued, *_cancel_running(session, mine)])
 
@@ -110,7 +110,7 @@ def mark_cancelled(session: Session, request_ids: list[int], worker_id: str) -> 
 
 
 def _cancel_running(session: Session, conditions: tuple) -> list[int]:
-    rows = session.execute(update(Request).where(*conditions, batch_in("cancelling"))
+    rows = session.execute(update_requests().where(*conditions, batch_in("cancelling"))
                            .values(status="cancelled", lease_owner=None, lease_expires_at=None)
                            .returning(Request.id, Request.batch_id)).all()
     now = time.time()
@@ -137,7 +137,7 @@ def write_results(session: Session, results: list[RequestResult], worker_id: str
                         ("failed", [i for i, r in by_id.items() if r.error is not None])):
         if ids:
             finished += session.execute(
-                update(Request).where(Request.id.in_(ids), held_or_free(worker_id, now), batch_in(*ACCEPTING))
+                update_requests().where(Request.id.in_(ids), held_or_free(worker_id, now), batch_in(*ACCEPTING))
                 .values(status=status, lease_owner=None, lease_expires_at=None)
                 .returning(Request.id, Request.batch_id)).all()
     if not finished:

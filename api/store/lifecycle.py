@@ -14,7 +14,7 @@ from sqlalchemy import exists, select, update
 from sqlalchemy.orm import Session
 
 from api.models import Batch, Request, Result
-from api.store.common import InvalidInput, NotFound, error_result, insert, lease_expired, lock_batches
+from api.store.common import Conflict, NotFound, error_result, insert, lease_expired, lock_batches
 from api.store.webhooks import notify
 
 EXPIRED_MESSAGE = "this request could not be executed before the completion window expired"
@@ -55,8 +55,8 @@ def cancel_batch(session: Session, batch_id: str, tenant_id: int | None = None) 
     if batch.status in ("cancelling", "cancelled"):
         return batch
     if batch.status not in CANCELLABLE:
-        raise InvalidInput(f"batch {batch_id} is {batch.status}; only a validating or in_progress batch can be "
-                           "cancelled", "batch_id")
+        raise Conflict(f"batch {batch_id} is {batch.status}; only a validating or in_progress batch can be "
+                       "cancelled", "batch_id")
     batch.status, batch.cancelling_at = "cancelling", now
     session.flush()
     session.execute(update(Request).where(Request.batch_id == batch_id, (Request.status == "queued") |

@@ -46,6 +46,18 @@ def resolve_api_key(session: Session, key: str) -> Tenant | None:
                            .where(ApiKey.key_hash == _hash(key), ApiKey.revoked_at.is_(None))).one_or_none()
 
 
+def find_api_key(session: Session, key_id_or_prefix: str) -> ApiKey:
+    """The key with this id (key_...) or this printed prefix (sk-sluice-XXXX); a prefix two keys share is refused."""
+    keys = session.scalars(select(ApiKey).where((ApiKey.id == key_id_or_prefix) | (ApiKey.prefix == key_id_or_prefix))
+                           .order_by(ApiKey.id)).all()
+    if not keys:
+        raise NotFound(f"API key {key_id_or_prefix} not found")
+    if len(keys) > 1:
+        raise InvalidInput(f"{key_id_or_prefix} is the prefix of {len(keys)} keys ({', '.join(k.id for k in keys)}); "
+                           "give the key id", "key")
+    return keys[0]
+
+
 def revoke_api_key(session: Session, key_id: str) -> None:
     revoked = session.execute(update(ApiKey).where(ApiKey.id == key_id, ApiKey.revoked_at.is_(None))
                               .values(revoked_at=time.time()).returning(ApiKey.id)).first()

@@ -1,4 +1,5 @@
-"""What users read: the OpenAI Batch object, and the output and error files streamed from the result rows.
+"""What users read: the OpenAI Batch object, the output and error files streamed from the result rows, pages of
+results in the order they finished, and a single request with its result.
 
 The files are views: they exist as soon as a batch has a result of their kind, grow while it runs (partial
 downloads), and are ordered by input line, in the line format of `sluice run` (api.schemas.output_line/error_line).
@@ -8,12 +9,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from sqlalchemy import select
+from sqlalchemy import and_, or_, select
 from sqlalchemy.orm import Session
 
 from api.models import Batch, Request, Result
 from api.schemas import LineError, error_line, output_line
-from api.store.common import NotFound
+from api.store.common import InvalidInput, NotFound
 from api.store.usage import batch_usage
 from api.store.workers import live_workers
 
@@ -77,12 +78,67 @@ def error_lines(session: Session, batch_id: str) -> Iterator[dict]:
     """The error file's lines (invalid lines and failed requests) finished so far, in input order."""
     for line, custom_id, error in _finished(session, batch_id, Result.status_code != 200,
                                             Request.line, Request.custom_id, Result.error):
-        # a bad line's request row has no custom_id (see batches.py); its error keeps the one it gave
-        yield error_line(LineError(line, error["code"], error["message"],
-                                   custom_id if custom_id is not None else error.get("custom_id"), error["param"]))
+        yield _error_line(line, custom_id, error)
 
 
-def _finished(session: Session, batch_id: str, condition, *columns):
+def result_page(session: Session, batch_id: str, after_line: int | None, limit: int) -> tuple[list[dict], bool]:
+    """Up to `limit` results in the order they finished (then by line), following the result of input line
+    `after_line`: output and error lines as in the files, each with its input `line` and `finished_at`; and whether
+    more follow. A result committed late may finish before ones already paged past; see api.client for catching it."""
+    stmt = (select(Request.line, Request.custom_id, Result.status_code, Result.response, Result.error,
+                   Result.finished_at).join(Result, Result.request_id == Request.id)
+            .where(Request.batch_id == batch_id))
+    if after_line is not None:
+        at = session.scalar(select(Result.finished_at).join(Request, Request.id == Result.request_id)
+                            .where(Request.batch_id == batch_id, Request.line == after_line))
+        if at is None:
+            raise InvalidInput(f"after: line {after_line} has no result in batch {batch_id}", "after")
+        stmt = stmt.where(or_(Result.finished_at > at, and_(Result.finished_at == at, Request.line > after_line)))
+    rows = session.execute(stmt.order_by(Result.finished_at, Request.line).limit(limit + 1)).all()
+    records = [{**(output_line(custom_id, response) if status_code == 200 else _error_line(line, custom_id, error)),
+                "line": line, "finished_at": finished_at}
+               for line, custom_id, status_code, response, error, finished_at in rows[:limit]]
+    return records, len(rows) > limit
+
+
+def request_view(session: Session, batch: Batch) -> dict:
+    """A single request (a one-request batch): its status, and its response or error once finished."""
+    request, result = session.execute(select(Request, Result).outerjoin(Result, Result.request_id == Request.id)
+                                      .where(Request.batch_id == batch.id)).one()
+    usage = None
+    if result is not None:
+        usage = {"prompt_tokens": result.prompt_tokens, "completion_tokens": result.completion_tokens,
+                 "total_tokens": result.prompt_tokens + result.completion_tokens,
+                 "cached_tokens": result.cached_tokens, "gpu_seconds": result.gpu_seconds, "cost": result.cost}
+    error = result.error if result is not None else None
+    return {"id": batch.id, "object": "request", "endpoint": batch.endpoint, "model": batch.model,
+            "status": request.status, "created_at": int(batch.created_at),
+            "completed_at": None if result is None else int(result.finished_at),
+            "response": None if result is None else result.response,
+            "error": None if error is None else {k: error.get(k) for k in ("code", "message", "param")},
+            "usage": usage}
+
+
+def _error_line(line: int, custom_id: str | None, error: dict) -> dict:
+    # a bad line's request row has no custom_id (see batches.py); its error keeps the one it gave
+    return error_line(LineError(line, error["code"], error["message"],
+                                custom_id if custom_id is not None else error.get("custom_id"), error["param"]))
+
+
+def file_page(session: Session, batch_id: str, kind: str, after_line: int, limit: int) -> list[tuple[int, dict]]:
+    """Up to `limit` lines of the "output" or "error" file after input line `after_line`, as (line, file line): a
+    download in pages, each in a transaction of its own."""
+    if kind == "output":
+        rows = _finished(session, batch_id, Result.status_code == 200, Request.line, Request.custom_id,
+                         Result.response, after_line=after_line, limit=limit)
+        return [(line, output_line(custom_id, response)) for line, custom_id, response in rows]
+    rows = _finished(session, batch_id, Result.status_code != 200, Request.line, Request.custom_id, Result.error,
+                     after_line=after_line, limit=limit)
+    return [(line, _error_line(line, custom_id, error)) for line, custom_id, error in rows]
+
+
+def _finished(session: Session, batch_id: str, condition, *columns, after_line: int = 0, limit: int | None = None):
     stmt = (select(*columns).join(Result, Result.request_id == Request.id)
-            .where(Request.batch_id == batch_id, condition).order_by(Request.line))
+            .where(Request.batch_id == batch_id, Request.line > after_line, condition).order_by(Request.line)
+            .limit(limit))
     yield from session.execute(stmt.execution_options(yield_per=STREAM_ROWS))

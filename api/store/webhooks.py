@@ -1,4 +1,8 @@
-"""Webhook endpoints, and the outbox rows that announce a batch's end to them (delivered by the webhooks queue)."""
+"""Webhook endpoints, and the outbox rows that announce a batch's end to them (delivered by the webhooks queue).
+
+`notify` notes the ids of the rows it writes in the session (`new_deliveries`), so that whoever commits the
+transaction can publish their delivery messages right after; the periodic sweep (`due_deliveries`) catches the rest.
+"""
 
 from __future__ import annotations
 
@@ -7,13 +11,15 @@ import secrets
 import time
 from urllib.parse import urlsplit
 
-from sqlalchemy import select
+from sqlalchemy import delete, select
 from sqlalchemy.orm import Session
 
 from api.models import WebhookDelivery, WebhookEndpoint
-from api.store.common import InvalidInput, new_id
+from api.store.common import REQUEST_PREFIX, InvalidInput, NotFound, new_id
+from api.store.listing import page
 
 EVENTS = ("batch.completed", "batch.failed", "batch.cancelled", "batch.expired")
+OUTBOX_KEY = "sluice.new_deliveries"
 
 
 def create_webhook_endpoint(session: Session, tenant_id: int, url: str,
@@ -34,13 +40,54 @@ def create_webhook_endpoint(session: Session, tenant_id: int, url: str,
     return endpoint
 
 
+def get_webhook_endpoint(session: Session, endpoint_id: str, tenant_id: int) -> WebhookEndpoint:
+    endpoint = session.get(WebhookEndpoint, endpoint_id)
+    if endpoint is None or endpoint.tenant_id != tenant_id:
+        raise NotFound(f"webhook endpoint {endpoint_id} not found")
+    return endpoint
+
+
+def list_webhook_endpoints(session: Session, tenant_id: int) -> list[WebhookEndpoint]:
+    return list(session.scalars(select(WebhookEndpoint).where(WebhookEndpoint.tenant_id == tenant_id)
+                                .order_by(WebhookEndpoint.created_at, WebhookEndpoint.id)))
+
+
+def delete_webhook_endpoint(session: Session, endpoint_id: str, tenant_id: int) -> None:
+    """Delete the endpoint and its deliveries, pending ones included: nothing more is sent to it."""
+    get_webhook_endpoint(session, endpoint_id, tenant_id)
+    session.execute(delete(WebhookEndpoint).where(WebhookEndpoint.id == endpoint_id))
+
+
+def list_deliveries(session: Session, endpoint_id: str, tenant_id: int, after: str | None,
+                    limit: int) -> tuple[list[WebhookDelivery], bool]:
+    """The endpoint's deliveries, newest first, after the delivery `after`; and whether more follow."""
+    get_webhook_endpoint(session, endpoint_id, tenant_id)
+    return page(session, select(WebhookDelivery).where(WebhookDelivery.endpoint_id == endpoint_id), WebhookDelivery,
+                after, limit)
+
+
+def due_deliveries(session: Session, now: float, limit: int = 1000) -> list[str]:
+    """Ids of pending deliveries whose next attempt is due, oldest first: for the periodic sweep to publish."""
+    return list(session.scalars(select(WebhookDelivery.id)
+                                .where(WebhookDelivery.status == "pending", WebhookDelivery.next_attempt_at <= now)
+                                .order_by(WebhookDelivery.next_attempt_at).limit(limit)))
+
+
+def new_deliveries(session: Session) -> list[str]:
+    """Ids of the outbox rows `notify` wrote in this session: publish them once its transaction has committed."""
+    return list(session.info.get(OUTBOX_KEY, ()))
+
+
 def notify(session: Session, tenant_id: int, event_type: str, batch_id: str, now: float) -> int:
     """Write one outbox row per endpoint of the tenant that wants `event_type`, in the caller's transaction."""
+    if batch_id.startswith(REQUEST_PREFIX):  # a single request is polled by its id; batch events are for batches
+        return 0
     endpoints = session.scalars(select(WebhookEndpoint).where(WebhookEndpoint.tenant_id == tenant_id)).all()
     wanted = [e for e in endpoints if event_type in e.events]
     event = {"id": new_id("evt_"), "object": "event", "type": event_type, "created_at": int(now),
              "data": {"id": batch_id}}
-    session.add_all(WebhookDelivery(id=new_id("msg_"), endpoint_id=e.id, event_type=event_type, payload=event,
-                                    status="pending", attempts=0, next_attempt_at=now, created_at=now)
-                    for e in wanted)
-    return len(wanted)
+    rows = [WebhookDelivery(id=new_id("msg_"), endpoint_id=e.id, event_type=event_type, payload=event,
+                            status="pending", attempts=0, next_attempt_at=now, created_at=now) for e in wanted]
+    session.add_all(rows)
+    session.info.setdefault(OUTBOX_KEY, []).extend(row.id for row in rows)
+    return len(rows)

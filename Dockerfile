@@ -1,0 +1,31 @@
+# One image for every sluice service. The package depends on torch, so the API image takes its CPU wheel (the API
+# never imports it); the GPU worker image takes the CUDA wheel from PyPI, Triton, and a C compiler for Triton's
+# launcher stubs:
+#   docker build -t sluice:api .
+#   docker build -t sluice:gpu --build-arg TORCH_INDEX_URL=https://pypi.org/simple --build-arg EXTRAS=gpu \
+#                --build-arg APT_PACKAGES="gcc libc6-dev" .
+FROM python:3.11-slim
+
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+ARG EXTRAS=""
+ARG APT_PACKAGES=""
+ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+
+RUN if [ -n "$APT_PACKAGES" ]; then \
+        apt-get update && apt-get install -y --no-install-recommends $APT_PACKAGES && rm -rf /var/lib/apt/lists/*; \
+    fi
+# torch first and alone: the largest layer, rebuilt only when its version or index changes
+RUN pip install torch==2.13.0 --index-url "$TORCH_INDEX_URL"
+
+WORKDIR /app
+COPY pyproject.toml README.md ./
+COPY api api
+COPY kernels kernels
+COPY migrations migrations
+COPY worker worker
+RUN pip install ".${EXTRAS:+[$EXTRAS]}"
+
+RUN useradd --create-home --uid 1000 sluice
+USER sluice
+EXPOSE 8000
+CMD ["sluice", "api", "--host", "0.0.0.0", "--port", "8000"]

@@ -1,0 +1,196 @@
+"""A Python client for sluice's REST API, without torch: submit batches, wait for them with a progress bar, iterate
+results as they finish, cancel, and run a prompt template over many documents.
+
+    client = Client("http://localhost:8000", api_key)
+    batch = client.submit([{"model": "llama", "messages": [{"role": "user", "content": "Hi"}]}])
+    for result in client.results(batch["id"]):   # output and error lines, as each request finishes
+        ...
+
+Answers 429 and 5xx, and connections that fail, are retried with exponential backoff (honouring Retry-After); any
+other error raises SluiceError carrying the server's message, param and code.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+from tqdm import tqdm
+
+CHAT_URL, COMPLETIONS_URL = "/v1/chat/completions", "/v1/completions"
+TERMINAL = ("completed", "failed", "expired", "cancelled")
+PAGE = 1000
+
+
+class SluiceError(Exception):
+    """The server refused a request (or kept failing): its status code and OpenAI-shaped error fields."""
+
+    def __init__(self, status: int | None, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(f"{message} (HTTP {status}{', ' + code if code else ''})" if status else message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+    @classmethod
+    def from_response(cls, response: httpx.Response) -> SluiceError:
+        try:
+            error = response.json()["error"]
+            return cls(response.status_code, error["message"], error.get("param"), error.get("code"))
+        except (ValueError, KeyError, TypeError):
+            return cls(response.status_code, response.text[:500] or response.reason_phrase)
+
+
+class Client:
+    def __init__(self, base_url: str, api_key: str, *, timeout: float = 60.0, max_retries: int = 5,
+                 backoff: float = 0.5, poll_interval: float = 2.0):
+        """`base_url` is the server's address, with or without the /v1 that the openai SDK's base_url ends with."""
+        root = base_url.rstrip("/").removesuffix("/v1")
+        self.http = httpx.Client(base_url=root + "/v1", headers={"Authorization": f"Bearer {api_key}"},
+                                 timeout=timeout)
+        self.max_retries, self.backoff, self.poll_interval = max_retries, backoff, poll_interval
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self.http.close()
+
+    def upload(self, data: bytes, filename: str = "batch.jsonl") -> dict:
+        return self._request("POST", "/files", files={"file": (filename, data)}, data={"purpose": "batch"}).json()
+
+    def submit(self, requests: list[dict] | str | Path, *, endpoint: str | None = None,
+               metadata: dict[str, str] | None = None, completion_window: str = "24h") -> dict:
+        """Create a batch from request bodies (custom_id "0", "1", ... in list order; chat if they have messages,
+        else completions) or from a JSONL file of batch lines (endpoint: its first line's url). Returns the batch."""
+        if isinstance(requests, str | Path):
+            data, filename = Path(requests).read_bytes(), Path(requests).name
+            endpoint = endpoint or _first_url(data)
+        else:
+            endpoint = endpoint or (CHAT_URL if requests and "messages" in requests[0] else COMPLETIONS_URL)
+            data, filename = _jsonl({str(i): body for i, body in enumerate(requests)}, endpoint), "batch.jsonl"
+        file = self.upload(data, filename)
+        return self._request("POST", "/batches", json={"input_file_id": file["id"], "endpoint": endpoint,
+                                                       "completion_window": completion_window,
+                                                       "metadata": metadata}).json()
+
+    def batch(self, batch_id: str) -> dict:
+        return self._request("GET", f"/batches/{batch_id}").json()
+
+    def cancel(self, batch_id: str) -> dict:
+        return self._request("POST", f"/batches/{batch_id}/cancel").json()
+
+    def wait(self, batch_id: str, *, progress: bool = True, timeout: float | None = None) -> dict:
+        """Poll until the batch ends (completed, failed, expired or cancelled), with a progress bar on stderr."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        batch = self.batch(batch_id)
+        with tqdm(total=batch["request_counts"]["total"], desc=batch_id, unit="req", file=sys.stderr,
+                  disable=not progress) as bar:
+            while True:
+                counts = batch["request_counts"]
+                bar.total = counts["total"]
+                bar.update(counts["completed"] + counts["failed"] - bar.n)
+                bar.set_postfix(status=batch["status"], failed=counts["failed"])
+                if batch["status"] in TERMINAL:
+                    return batch
+                if deadline is not None and time.monotonic() > deadline:
+                    raise TimeoutError(f"batch {batch_id} is still {batch['status']} after {timeout} s")
+                time.sleep(self.poll_interval)
+                batch = self.batch(batch_id)
+
+    def results(self, batch_id: str) -> Iterator[dict]:
+        """Each result (an output or error line, with its input `line` and `finished_at`) once, as it finishes,
+        until the batch ends. A result committed late can land before the cursor; if the count comes up short at
+        the end, the pages are read again from the start for what was missed."""
+        seen: set[int] = set()
+        after = None
+        while True:
+            batch = self.batch(batch_id)  # before the pages: read after the batch ended, they hold every result
+            for result in self._pages(batch_id, after):
+                after = result["line"]
+                if result["line"] not in seen:
+                    seen.add(result["line"])
+                    yield result
+            if batch["status"] in TERMINAL:
+                counts = batch["request_counts"]
+                if len(seen) < counts["completed"] + counts["failed"]:
+                    for result in self._pages(batch_id, None):
+                        if result["line"] not in seen:
+                            seen.add(result["line"])
+                            yield result
+                return
+            time.sleep(self.poll_interval)
+
+    def map_documents(self, template: str, documents: dict[str, str], *, model: str, endpoint: str = CHAT_URL,
+                      progress: bool = True, **body: Any) -> dict[str, dict]:
+        """Run `template` over each document as one batch and wait: {document id: its output or error line}.
+
+        "{text}" and "{id}" in the template are replaced by each document's text and id (other braces are left
+        alone, so templates may show JSON); `body` adds fields to every request (max_tokens, temperature, ...)."""
+        bodies = {}
+        for doc_id, text in documents.items():
+            prompt = template.replace("{id}", doc_id).replace("{text}", text)
+            content = {"messages": [{"role": "user", "content": prompt}]} if endpoint == CHAT_URL else {
+                "prompt": prompt}
+            bodies[doc_id] = {"model": model, **content, **body}
+        file = self.upload(_jsonl(bodies, endpoint), "documents.jsonl")
+        batch = self._request("POST", "/batches", json={"input_file_id": file["id"], "endpoint": endpoint,
+                                                        "completion_window": "24h"}).json()
+        self.wait(batch["id"], progress=progress)
+        return {result["custom_id"]: result for result in self._pages(batch["id"], None)}
+
+    def _pages(self, batch_id: str, after: int | None) -> Iterator[dict]:
+        while True:
+            params = {"limit": PAGE, **({"after": after} if after is not None else {})}
+            page = self._request("GET", f"/batches/{batch_id}/results", params=params).json()
+            yield from page["data"]
+            if not page["has_more"]:
+                return
+            after = page["last_line"]
+
+    def _request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        for attempt in range(self.max_retries + 1):
+            try:
+                response = self.http.request(method, path, **kwargs)
+            except httpx.TransportError as e:
+                failure, retry_after = SluiceError(None, f"{method} {path}: {type(e).__name__}: {e}"), None
+            else:
+                if response.status_code < 400:
+                    return response
+                failure = SluiceError.from_response(response)
+                if response.status_code != 429 and response.status_code < 500:
+                    raise failure
+                retry_after = response.headers.get("retry-after")
+            if attempt < self.max_retries:
+                delay = self.backoff * 2 ** attempt * random.uniform(0.5, 1.5)
+                time.sleep(float(retry_after) if retry_after and retry_after.isdigit() else delay)
+        raise failure
+
+
+def text_of(result: dict) -> str | None:
+    """The generated text of an output line (chat or completion), or None for an error line."""
+    if result.get("response") is None:
+        return None
+    choice = result["response"]["body"]["choices"][0]
+    return choice["message"]["content"] if "message" in choice else choice["text"]
+
+
+def _jsonl(bodies: dict[str, dict], endpoint: str) -> bytes:
+    return "".join(json.dumps({"custom_id": custom_id, "method": "POST", "url": endpoint, "body": body}) + "\n"
+                   for custom_id, body in bodies.items()).encode()
+
+
+def _first_url(data: bytes) -> str:
+    for raw in data.split(b"\n"):
+        if raw.strip():
+            try:
+                return json.loads(raw)["url"]
+            except (ValueError, KeyError, TypeError):
+                break
+    return CHAT_URL

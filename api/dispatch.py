@@ -1,0 +1,28 @@
+"""Sending what a committed transaction leaves to send: chunk messages and webhook delivery messages.
+
+The rows are the truth and are already stored, so a broker that is down fails nothing: it is logged, and the
+reconciler re-sends queued requests and the delivery sweep re-sends due deliveries.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from celery import Celery
+from kombu.exceptions import OperationalError
+
+from api.queue import publish_chunks
+from api.store import Work
+from api.webhooks import publish_deliveries
+
+log = logging.getLogger(__name__)
+
+
+def dispatch(app: Celery, work: list[Work], delivery_ids: list[str]) -> None:
+    try:
+        if work:
+            publish_chunks(app, work)
+        if delivery_ids:
+            publish_deliveries(app, delivery_ids)
+    except OperationalError as e:
+        log.warning("the broker refused messages (%s); they will be re-sent by the reconciler and delivery sweep", e)

@@ -1,0 +1,130 @@
+"""/v1/files: upload batch input files, list, read, download and delete them.
+
+A batch's output and error files (file-out-batch_..., file-err-batch_...) are views over its result rows: they are
+read and downloaded like uploads, streamed page by page in short transactions, partial while the batch runs, and
+not listed or deletable on their own. An upload that can only make a failed batch (empty, not JSONL, too many
+lines) is refused at once; a file with some bad lines is accepted, and those lines go to the batch's error file.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Annotated, Literal
+
+from fastapi import APIRouter, File, Form, Query, UploadFile
+from fastapi.responses import Response, StreamingResponse
+from sqlalchemy.orm import Session, sessionmaker
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from api import store
+from api.auth import CallerDep
+from api.deps import ServicesDep
+from api.errors import ApiError, ErrorResponse, error_response
+from api.models import File as FileRow
+from api.objects import FileDeleted, FileList, FileObject
+from api.routes_batches import owned_batch
+
+router = APIRouter(prefix="/v1/files", tags=["files"])
+STREAM_LINES = 1000
+MULTIPART_SLACK = 64 * 1024  # room for the form's boundaries and the purpose field around the file itself
+CONTENT = {200: {"content": {"application/octet-stream": {}}, "description": "the file's bytes (JSONL)"}}
+
+
+class UploadLimit:
+    """Refuses an upload whose Content-Length already exceeds the limit, before the server spools its body."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int):
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST" and scope["path"] == router.prefix:
+            length = dict(scope["headers"]).get(b"content-length", b"0")
+            if length.isdigit() and int(length) > self.max_bytes + MULTIPART_SLACK:
+                response = error_response(413, f"the upload has {int(length)} bytes; files are limited to "
+                                               f"{self.max_bytes} bytes (SLUICE_MAX_FILE_BYTES)", "file",
+                                          "file_too_large")
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+@router.post("", response_model=FileObject, summary="Upload a batch input file",
+             responses={413: {"model": ErrorResponse}})
+def upload_file(svc: ServicesDep, me: CallerDep, file: Annotated[UploadFile, File()],
+                purpose: Annotated[str, Form()]) -> FileObject:
+    limit = svc.settings.max_file_bytes
+    data = file.file.read(limit + 1)
+    if len(data) > limit:
+        raise ApiError(413, f"file {file.filename!r} is larger than the limit of {limit} bytes "
+                            "(SLUICE_MAX_FILE_BYTES)", "file", "file_too_large")
+    if purpose == "batch" and (problem := store.input_file_problem(data, svc.settings.max_batch_lines)):
+        raise ApiError(400, f"file {file.filename!r}: {problem['message']}", "file", problem["code"])
+    with svc.sessions.begin() as session:
+        row = store.store_file(session, me.tenant_id, file.filename or "", purpose, data, max_bytes=limit)
+    return _file_object(row)
+
+
+@router.get("", response_model=FileList, summary="List uploaded files")
+def list_files(svc: ServicesDep, me: CallerDep, after: str | None = None,
+               limit: Annotated[int, Query(ge=1, le=10_000)] = 10_000, order: Literal["asc", "desc"] = "desc",
+               purpose: str | None = None) -> FileList:
+    with svc.sessions.begin() as session:
+        rows, has_more = store.list_files(session, me.tenant_id, after, limit, order, purpose)
+    data = [_file_object(row) for row in rows]
+    return FileList(data=data, first_id=data[0].id if data else None, last_id=data[-1].id if data else None,
+                    has_more=has_more)
+
+
+@router.get("/{file_id}", response_model=FileObject, summary="Get a file's metadata")
+def get_file(svc: ServicesDep, me: CallerDep, file_id: str) -> FileObject:
+    if (view := store.view_file(file_id)) is not None:
+        kind, batch_id = view
+        with svc.sessions.begin() as session:
+            batch = owned_batch(session, batch_id, me.tenant_id)
+        size = sum(len(chunk) for chunk in _view_chunks(svc.sessions, batch_id, kind))
+        return FileObject(id=file_id, bytes=size, created_at=int(batch.created_at),
+                          filename=f"{batch_id}_{kind}.jsonl", purpose="batch_output", status="processed")
+    with svc.sessions.begin() as session:
+        return _file_object(store.get_file(session, file_id, me.tenant_id))
+
+
+@router.get("/{file_id}/content", response_class=Response, responses=CONTENT, summary="Download a file")
+def file_content(svc: ServicesDep, me: CallerDep, file_id: str) -> Response:
+    if (view := store.view_file(file_id)) is not None:
+        kind, batch_id = view
+        with svc.sessions.begin() as session:
+            owned_batch(session, batch_id, me.tenant_id)
+        return StreamingResponse(_view_chunks(svc.sessions, batch_id, kind), media_type="application/octet-stream")
+    with svc.sessions.begin() as session:
+        store.get_file(session, file_id, me.tenant_id)
+        data = store.file_content(session, file_id)
+    return Response(data, media_type="application/octet-stream")
+
+
+@router.delete("/{file_id}", response_model=FileDeleted, summary="Delete an uploaded file")
+def delete_file(svc: ServicesDep, me: CallerDep, file_id: str) -> FileDeleted:
+    with svc.sessions.begin() as session:
+        if (view := store.view_file(file_id)) is not None:
+            owned_batch(session, view[1], me.tenant_id)
+            raise ApiError(400, f"{file_id} is the {view[0]} file of batch {view[1]}, a view over its results; it "
+                                "cannot be deleted on its own", "file_id", "invalid_value")
+        store.delete_file(session, file_id, me.tenant_id)
+    return FileDeleted(id=file_id, deleted=True)
+
+
+def _view_chunks(sessions: sessionmaker[Session], batch_id: str, kind: str) -> Iterator[bytes]:
+    """The file's lines, a page per transaction, so that a long download holds no transaction (nor SQLite's lock)."""
+    after = 0
+    while True:
+        with sessions.begin() as session:
+            page = store.file_page(session, batch_id, kind, after, STREAM_LINES)
+        if not page:
+            return
+        yield "".join(json.dumps(record, ensure_ascii=False) + "\n" for _, record in page).encode()
+        after = page[-1][0]
+
+
+def _file_object(row: FileRow) -> FileObject:
+    return FileObject(id=row.id, bytes=row.bytes, created_at=int(row.created_at), filename=row.filename,
+                      purpose=row.purpose, status=row.status)

@@ -1,0 +1,98 @@
+"""/v1/files with the openai SDK: upload, list with pages, get, download, delete; refused uploads change nothing."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+from api_helpers import chat, jsonl
+
+
+def test_upload_list_get_content_delete(api, tenant_key, openai_client):
+    client = openai_client(tenant_key())
+    data = jsonl([chat("a"), chat("b")])
+    uploaded = client.files.create(file=("input.jsonl", data), purpose="batch")
+    assert uploaded.id.startswith("file-") and uploaded.object == "file"
+    assert (uploaded.bytes, uploaded.filename, uploaded.purpose, uploaded.status) == (len(data), "input.jsonl",
+                                                                                       "batch", "processed")
+    assert client.files.retrieve(uploaded.id) == uploaded
+    assert client.files.content(uploaded.id).content == data
+    assert [f.id for f in client.files.list()] == [uploaded.id]
+
+    deleted = client.files.delete(uploaded.id)
+    assert (deleted.id, deleted.deleted) == (uploaded.id, True)
+    assert list(client.files.list()) == []
+    with pytest.raises(openai.NotFoundError):
+        client.files.retrieve(uploaded.id)
+    assert api.count("file_contents") == 0
+
+
+def test_list_pages_with_after_and_order(api, tenant_key, openai_client):
+    client = openai_client(tenant_key())
+    ids = [client.files.create(file=(f"{i}.jsonl", jsonl([chat("a")])), purpose="batch").id for i in range(5)]
+    first = client.files.list(limit=2)
+    assert [f.id for f in first.data] == ids[:2:-1][:2] and first.has_more
+    assert [f.id for f in client.files.list(limit=2)] == ids[::-1]  # the SDK follows `after` across pages
+    assert [f.id for f in client.files.list(limit=3, order="asc")] == ids
+    last = client.files.list(limit=2, after=ids[1])
+    assert [f.id for f in last.data] == [ids[0]] and not last.has_more
+
+
+@pytest.mark.parametrize("params, param", [({"limit": 0}, "limit"), ({"limit": 10_001}, "limit"),
+                                           ({"limit": "many"}, "limit"), ({"order": "sideways"}, "order"),
+                                           ({"after": "file-nope"}, "after")])
+def test_bad_pagination_parameters_are_400(api, tenant_key, params, param):
+    response = httpx.get(f"{api.url}/v1/files", params=params, headers={"Authorization": f"Bearer {tenant_key()}"})
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["param"] == param and error["type"] == "invalid_request_error" and param in error["message"]
+
+
+@pytest.mark.parametrize("data, purpose, status, code, words", [
+    (b"a,b,c\n1,2,3\n", "batch", 400, "invalid_jsonl", "not JSONL"),
+    (b"\x89PNG\r\n\x1a\n\x00\x00", "batch", 400, "invalid_jsonl", "not JSONL"),
+    (b"", "batch", 400, "empty_file", "no requests"),
+    (b"\n  \n", "batch", 400, "empty_file", "no requests"),
+    (jsonl([chat("a")]), "fine-tune", 400, "invalid_value", "purpose 'fine-tune'"),
+    (jsonl([chat(str(i)) for i in range(51)]), "batch", 400, "too_many_lines", "at most 50"),
+    (b"x" * 100_001, "batch", 413, "file_too_large", "100000 bytes"),
+    (b"x" * 400_000, "batch", 413, "file_too_large", "100000 bytes"),  # refused by Content-Length, unread
+])
+def test_refused_uploads_store_nothing(api, tenant_key, openai_client, data, purpose, status, code, words):
+    client = openai_client(tenant_key())
+    before = api.counts()
+    with pytest.raises(openai.APIStatusError) as refused:
+        client.files.create(file=("input.jsonl", data), purpose=purpose)
+    assert refused.value.status_code == status
+    assert refused.value.body["code"] == code and words in refused.value.body["message"]
+    assert set(refused.value.body) == {"message", "type", "param", "code"}
+    assert api.counts() == before
+
+
+def test_a_file_with_some_bad_lines_is_accepted(api, tenant_key, openai_client):
+    client = openai_client(tenant_key())
+    uploaded = client.files.create(file=("in.jsonl", jsonl([chat("a"), "{not json", "[1]"])), purpose="batch")
+    assert uploaded.bytes > 0 and api.count("files") == 1
+
+
+def test_missing_form_fields_are_named(api, tenant_key):
+    headers = {"Authorization": f"Bearer {tenant_key()}"}
+    response = httpx.post(f"{api.url}/v1/files", files={"file": ("in.jsonl", jsonl([chat("a")]))}, headers=headers)
+    assert response.status_code == 400
+    assert response.json()["error"] == {"message": "purpose: required field is missing",
+                                        "type": "invalid_request_error", "param": "purpose",
+                                        "code": "missing_required_parameter"}
+    response = httpx.post(f"{api.url}/v1/files", data={"purpose": "batch"}, headers=headers)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "file"
+    assert api.count("files") == 0
+
+
+def test_unknown_file_ids_are_404(api, tenant_key, openai_client):
+    client = openai_client(tenant_key())
+    for call in (client.files.retrieve, client.files.content, client.files.delete):
+        with pytest.raises(openai.NotFoundError) as missing:
+            call("file-doesnotexist")
+        assert missing.value.body == {"message": "file file-doesnotexist not found", "type": "invalid_request_error",
+                                      "param": None, "code": "not_found"}
+    with pytest.raises(openai.NotFoundError):
+        client.files.content("file-out-batch_nope")

@@ -1,0 +1,72 @@
+"""`sluice api` (the REST API server) and `sluice keys` (tenants' API keys); they import api/ only, never torch."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from worker.cli import UsageError, database
+
+
+def add_api_parser(commands) -> None:
+    parser = commands.add_parser(
+        "api", help="run the REST API server",
+        description="Serve the OpenAI-compatible Files and Batches API and sluice's own routes over "
+                    "SLUICE_DATABASE_URL and SLUICE_BROKER_URL. Limits: SLUICE_MAX_FILE_BYTES, SLUICE_MAX_BATCH_LINES; "
+                    "models accepted before their workers are up: SLUICE_MODELS (comma-separated); /metrics token: "
+                    "SLUICE_METRICS_TOKEN.")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
+    parser.set_defaults(handler=api_command)
+
+
+def api_command(args: argparse.Namespace) -> int:
+    from api.server import serve
+
+    try:
+        serve(args.host, args.port)
+    except ValueError as e:  # a malformed SLUICE_* setting
+        raise UsageError(str(e)) from None
+    return 0
+
+
+def add_keys_parser(commands) -> None:
+    parser = commands.add_parser("keys", help="create and revoke tenants' API keys")
+    actions = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
+    create = actions.add_parser("create", help="create a key (and the tenant, if new); prints the key last, once",
+                                description="Create an API key for the tenant, creating the tenant if new. The key is "
+                                            "printed as the last line and cannot be shown again: only its hash is "
+                                            "stored.")
+    create.add_argument("--tenant", required=True, metavar="NAME")
+    create.set_defaults(handler=keys_create_command)
+    revoke = actions.add_parser("revoke", help="revoke a key: it is refused from now on")
+    revoke.add_argument("key", metavar="KEY_ID_OR_PREFIX", help="the key's id (key_...) or printed prefix")
+    revoke.set_defaults(handler=keys_revoke_command)
+
+
+def keys_create_command(args: argparse.Namespace) -> int:
+    from api import store
+
+    try:
+        with database() as session:
+            tenant = store.get_or_create_tenant(session, args.tenant)
+            row, key = store.create_api_key(session, tenant.id)
+    except store.StoreError as e:
+        raise UsageError(str(e)) from None
+    print(f"sluice keys: created {row.id} (prefix {row.prefix}) for tenant {tenant.name!r}; the key is shown only "
+          "now:", file=sys.stderr)
+    print(key)
+    return 0
+
+
+def keys_revoke_command(args: argparse.Namespace) -> int:
+    from api import store
+
+    try:
+        with database() as session:
+            row = store.find_api_key(session, args.key)
+            store.revoke_api_key(session, row.id)
+    except store.StoreError as e:
+        raise UsageError(str(e)) from None
+    print(f"sluice keys: revoked {row.id} (prefix {row.prefix})", file=sys.stderr)
+    return 0
