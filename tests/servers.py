@@ -1,4 +1,5 @@
-"""Serving an ASGI app in a test: uvicorn in a daemon thread on a free port of 127.0.0.1."""
+"""Servers in a test: an ASGI app under uvicorn, and a webhook receiver, each in a daemon thread on a free port of
+127.0.0.1."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import uvicorn
 
@@ -29,3 +31,29 @@ def serve_app(app) -> Iterator[str]:
         server.should_exit = True
         thread.join(timeout=10)
         sock.close()
+
+
+class Receiver:
+    """An HTTP server on 127.0.0.1 that records each POST and answers with the next of `statuses` (then 200)."""
+
+    def __init__(self, statuses: list[int]):
+        self.statuses, self.received = list(statuses), []
+        receiver = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):
+                body = self.rfile.read(int(self.headers["content-length"]))
+                receiver.received.append((dict(self.headers), body))
+                self.send_response(receiver.statuses.pop(0) if receiver.statuses else 200)
+                self.end_headers()
+
+            def log_message(self, *args):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/hook"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()

@@ -39,11 +39,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_status_parser(commands)
     add_results_parser(commands)
     from worker.api_commands import add_api_parser, add_keys_parser
-    from worker.worker_command import add_worker_parser  # its own module: the GPU worker's wiring
+    from worker.serve_command import add_serve_parser
+    from worker.worker_command import add_worker_parser  # their own modules: the services' wiring
 
     add_worker_parser(commands)
     add_api_parser(commands)
     add_keys_parser(commands)
+    add_serve_parser(commands)
     return parser
 
 

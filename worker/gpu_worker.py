@@ -25,6 +25,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from api import models, store
 from api.schemas import BODIES, response_body
+from api.webhooks import publish_deliveries
 from worker.bridge import EfficiencyWindow, EngineBridge
 from worker.engine import LLMEngine, RequestOutput, RequestRejected
 from worker.reconcile import STALE_SECONDS, reconcile_once
@@ -199,11 +200,16 @@ class GpuWorker:
                                            served_model_name=self.settings.served_model_name, status=status))
 
     def _db(self, work):
-        """Run `work(session)` in a transaction, retrying transient database errors with backoff."""
+        """Run `work(session)` in a transaction, retrying transient database errors with backoff; webhooks the
+        transaction wrote (a batch finished or was cancelled) are published once it has committed."""
         for attempt in range(DB_ATTEMPTS):
             try:
                 with self.sessions.begin() as session:
-                    return work(session)
+                    result = work(session)
+                    deliveries = store.new_deliveries(session)
+                if deliveries:
+                    publish_deliveries(self.app, deliveries)
+                return result
             except DBAPIError as e:
                 if attempt == DB_ATTEMPTS - 1 or not (e.connection_invalidated or _transient(e)):
                     raise

@@ -1,4 +1,5 @@
-"""One reconciliation pass: expire overdue batches, and send again the requests whose message was lost.
+"""One reconciliation pass: expire overdue batches, send again the requests whose message was lost, and publish
+the webhook deliveries that are due (new ones, and retries after a failed attempt).
 
 Redis carries messages, not truth. A request lost its message when its worker died (the lease ran out) or when it
 sits queued while its model's queue holds no message at all (Redis restarted or was flushed). Every store call
@@ -8,25 +9,29 @@ below stamps what it returns as published in the same transaction, so concurrent
 from __future__ import annotations
 
 import logging
+import time
 
 from celery import Celery
 from sqlalchemy.orm import Session, sessionmaker
 
 from api import store
 from api.queue import model_queue, publish_chunks, queue_depth
+from api.webhooks import publish_deliveries
 
 log = logging.getLogger(__name__)
 STALE_SECONDS = 30.0  # a queued request published this long ago, in an empty queue, has lost its message
 
 
 def reconcile_once(sessions: sessionmaker[Session], app: Celery, stale_seconds: float = STALE_SECONDS) -> int:
-    """Returns the number of messages published."""
+    """Returns the number of chunk messages published."""
     with sessions.begin() as session:
         expired = store.expire_batches(session)
         work = store.recover_expired_leases(session)
         idle = [m for m in store.models_with_queued_requests(session) if queue_depth(app, model_queue(m)) == 0]
         work += store.republish_stale(session, stale_seconds, models=idle)
+        deliveries = list(dict.fromkeys(store.new_deliveries(session) + store.due_deliveries(session, time.time())))
     sent = publish_chunks(app, work) if work else 0
+    publish_deliveries(app, deliveries)
     if expired or sent:
         log.info("reconcile: expired %d batches, re-sent %d requests in %d messages", len(expired),
                  sum(len(w.request_ids) for w in work), sent)

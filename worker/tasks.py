@@ -1,14 +1,16 @@
-"""Celery tasks: run a chunk of requests on this process's GPU worker, and reconcile on the maintenance queue."""
+"""Celery tasks: run a chunk of requests on this process's GPU worker, deliver a webhook, and reconcile."""
 
 from __future__ import annotations
 
+import time
 from functools import cache
 
 from celery.exceptions import Reject
 from sqlalchemy.orm import Session, sessionmaker
 
 from api import db
-from api.queue import RECONCILE, RUN_CHUNK
+from api.queue import DELIVER_WEBHOOK, RECONCILE, RUN_CHUNK
+from api.webhooks import deliver
 from worker import gpu_worker
 from worker.celery_app import app
 from worker.reconcile import reconcile_once
@@ -33,3 +35,13 @@ def run_chunk(request_ids: list[int]) -> None:
 @app.task(name=RECONCILE)
 def reconcile() -> int:
     return reconcile_once(sessions(), app)
+
+
+@app.task(name=DELIVER_WEBHOOK)
+def deliver_webhook(delivery_id: str) -> str:
+    """One attempt; a failed one is tried again at its next_attempt_at (exponential backoff with jitter), and the
+    reconciler's sweep re-publishes any due delivery whose message was lost."""
+    outcome = deliver(sessions(), delivery_id)
+    if outcome.status == "pending":
+        deliver_webhook.apply_async(args=[delivery_id], countdown=max(outcome.next_attempt_at - time.time(), 0))
+    return outcome.status

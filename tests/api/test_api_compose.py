@@ -41,7 +41,7 @@ def test_gpu_worker_webhooks_worker_and_prometheus(compose):
     assert device["driver"] == "nvidia" and device["capabilities"] == ["gpu"] and "replicas" in gpu["deploy"]
     assert gpu["build"]["args"]["EXTRAS"] == "gpu"
     assert services["webhooks-worker"]["command"] == ["celery", "-A", "worker.celery_app", "worker", "-Q",
-                                                      "webhooks,maintenance"]
+                                                      "webhooks,maintenance", "-B"]
     mounted = [v.split(":")[0] for v in services["prometheus"]["volumes"]]
     assert "./deploy/prometheus.yml" in mounted
     config = yaml.safe_load((ROOT / "deploy" / "prometheus.yml").read_text())

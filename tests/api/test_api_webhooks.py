@@ -4,45 +4,18 @@ retries with the same webhook-id, giving up after a day, and the SSRF guard at c
 from __future__ import annotations
 
 import json
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
 import openai
 import pytest
 from api_helpers import chat, finish, jsonl, request_ids
+from servers import Receiver
 from sqlalchemy import select, update
 
 from api import store
 from api.models import WebhookDelivery
 from api.webhooks import GIVE_UP_AFTER, deliver, publish_deliveries
-
-
-class Receiver:
-    """An HTTP server on 127.0.0.1 that records each POST and answers with the next of `statuses` (then 200)."""
-
-    def __init__(self, statuses: list[int]):
-        self.statuses, self.received = list(statuses), []
-        receiver = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self):
-                body = self.rfile.read(int(self.headers["content-length"]))
-                receiver.received.append((dict(self.headers), body))
-                self.send_response(receiver.statuses.pop(0) if receiver.statuses else 200)
-                self.end_headers()
-
-            def log_message(self, *args):
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/hook"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def close(self):
-        self.server.shutdown()
-        self.server.server_close()
 
 
 @pytest.fixture

@@ -1,0 +1,156 @@
+"""The whole service with the official `openai` SDK: a live API server, a real GPU worker process, the webhooks
+worker process, PostgreSQL and Redis; and `sluice serve` alone on SQLite."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+from servers import Receiver, serve_app
+
+from api import store
+from api.server import create_app
+from api.settings import Settings
+from worker.engine import LLM, SamplingParams
+
+QUESTIONS = [f"Question {i}: is simple better than complex? {'Explain. ' * (i % 4)}" for i in range(10)]
+
+
+def chat_line(i: int, max_tokens: int = 8, **body) -> dict:
+    return {"custom_id": f"q{i}", "method": "POST", "url": "/v1/chat/completions",
+            "body": {"model": "tiny", "messages": [{"role": "user", "content": QUESTIONS[i % 10]}],
+                     "max_tokens": max_tokens, "temperature": 0, **body}}
+
+
+def upload(client: openai.OpenAI, lines: list) -> str:
+    data = "".join((line if isinstance(line, str) else json.dumps(line)) + "\n" for line in lines).encode()
+    return client.files.create(file=("input.jsonl", data), purpose="batch").id
+
+
+def wait_for(client: openai.OpenAI, batch_id: str, statuses: tuple[str, ...], timeout: float = 120):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        batch = client.batches.retrieve(batch_id)
+        if batch.status in statuses:
+            return batch
+        time.sleep(0.25)
+    raise AssertionError(f"batch {batch_id} still {batch.status}")
+
+
+def expected_texts(llm: LLM, lines: list[dict]) -> dict[str, str]:
+    return {line["custom_id"]: llm.chat(line["body"]["messages"], SamplingParams(
+        max_tokens=line["body"]["max_tokens"], temperature=0))[0].text for line in lines}
+
+
+@pytest.fixture
+def live(cluster, monkeypatch):
+    """The API server over the cluster's database and broker, a key, and the webhooks worker process."""
+    monkeypatch.setenv("SLUICE_WEBHOOK_ALLOW_PRIVATE", "1")
+    with cluster.sessions.begin() as session:
+        _, key = store.create_api_key(session, store.get_or_create_tenant(session, "acme").id)
+    env = {**cluster.env(), "SLUICE_WEBHOOK_ALLOW_PRIVATE": "1"}
+    log = (cluster.logs / "webhooks.log").open("w")
+    hooks = subprocess.Popen([sys.executable, "-m", "celery", "-A", "worker.celery_app", "worker", "-Q", "webhooks",
+                              "-P", "threads", "-c", "2", "--without-gossip", "--without-mingle", "--loglevel",
+                              "WARNING"], env=env, stdout=log, stderr=subprocess.STDOUT)
+    with serve_app(create_app(cluster.sessions, cluster.app, Settings(models=("tiny",)))) as url:
+        yield url, key
+    hooks.kill()
+    hooks.wait()
+
+
+def test_openai_sdk_end_to_end(cluster, live, llama_dir):
+    url, key = live
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0)
+    receiver = Receiver([])
+    endpoint = httpx.post(f"{url}/v1/webhook_endpoints", headers={"Authorization": f"Bearer {key}"},
+                          json={"url": receiver.url, "events": ["batch.completed", "batch.cancelled"]}).json()
+    cluster.start_worker("--max-num-seqs", "4")
+
+    good = [chat_line(i, 4 + i % 6) for i in range(10)]
+    file_id = upload(client, [*good[:5], '{"custom_id": "broken", "method": "POST"', *good[5:]])
+    batch = client.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h",
+                                  metadata={"job": "e2e"})
+    batch = wait_for(client, batch.id, ("completed",))
+    assert (batch.request_counts.total, batch.request_counts.completed, batch.request_counts.failed) == (11, 10, 1)
+    assert batch.metadata == {"job": "e2e"} and batch.usage.output_tokens > 0
+
+    outputs = [json.loads(line) for line in client.files.content(batch.output_file_id).text.splitlines()]
+    got = {o["custom_id"]: o["response"]["body"]["choices"][0]["message"]["content"] for o in outputs}
+    assert got == expected_texts(LLM(str(llama_dir)), good)
+    errors = [json.loads(line) for line in client.files.content(batch.error_file_id).text.splitlines()]
+    assert [(e["custom_id"], e["error"]["line"]) for e in errors] == [(None, 6)]
+
+    deadline = time.time() + 30
+    while not receiver.received and time.time() < deadline:
+        time.sleep(0.2)
+    headers, body = receiver.received[0]
+    event = openai.OpenAI(api_key="unused", webhook_secret=endpoint["secret"]).webhooks.unwrap(body, headers)
+    assert event.type == "batch.completed" and event.data.id == batch.id
+    receiver.close()
+
+    more = [client.batches.create(input_file_id=upload(client, [chat_line(i, 2)]), endpoint="/v1/chat/completions",
+                                  completion_window="24h").id for i in range(4)]
+    seen, after = [], None
+    while True:
+        page = client.batches.list(limit=2, **({"after": after} if after else {}))
+        seen += [b.id for b in page.data]
+        if not page.has_more:
+            break
+        after = page.data[-1].id
+    assert sorted(seen) == sorted([batch.id, *more]) and len(seen) == 5
+
+    long = [chat_line(i, 500, ignore_eos=True) | {"custom_id": f"long{i}"} for i in range(40)]
+    doomed = client.batches.create(input_file_id=upload(client, long), endpoint="/v1/chat/completions",
+                                   completion_window="24h")
+    deadline = time.time() + 60
+    while client.batches.retrieve(doomed.id).request_counts.completed < 1 and time.time() < deadline:
+        time.sleep(0.1)
+    assert client.batches.cancel(doomed.id).status in ("cancelling", "cancelled")
+    doomed = wait_for(client, doomed.id, ("cancelled",), timeout=60)
+    assert doomed.request_counts.completed < 40 and doomed.cancelled_at is not None
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_sluice_serve_on_sqlite_with_the_sdk(tmp_path, llama_dir):
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLUICE_")}
+    log = (tmp_path / "serve.log").open("w")
+    proc = subprocess.Popen([sys.executable, "-m", "worker", "serve", "--model", str(llama_dir), "--served-model-name",
+                             "tiny", "--port", str(port), "--data-dir", str(tmp_path / "data")],
+                            env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.time() + 60
+        while time.time() < deadline:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/readyz").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert proc.poll() is None, (tmp_path / "serve.log").read_text()
+            time.sleep(0.2)
+        key = (tmp_path / "data" / "api_key").read_text().strip()
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=key, max_retries=0)
+        lines = [chat_line(i, 3 + i) for i in range(6)]
+        batch = client.batches.create(input_file_id=upload(client, lines), endpoint="/v1/chat/completions",
+                                      completion_window="24h")
+        batch = wait_for(client, batch.id, ("completed",), timeout=60)
+        outputs = [json.loads(line) for line in client.files.content(batch.output_file_id).text.splitlines()]
+        got = {o["custom_id"]: o["response"]["body"]["choices"][0]["message"]["content"] for o in outputs}
+        assert got == expected_texts(LLM(str(llama_dir)), lines)
+        assert (tmp_path / "data" / "sluice.db").exists()
+    finally:
+        proc.terminate()
+        assert proc.wait(timeout=60) == 0

@@ -1,0 +1,96 @@
+"""`sluice serve`: the whole service in one process on one machine: the REST API, the queue and a GPU worker.
+
+The same code paths as the distributed setup: the API stores batches and publishes chunk messages through Celery,
+an in-process Celery worker (threads pool) runs them on the engine, results and webhooks go through the same store
+functions. Only the transports differ: SQLite in --data-dir instead of PostgreSQL, and kombu's in-memory broker
+instead of Redis. Messages do not survive a restart but requests do: the reconciler re-sends queued requests
+whose queue is empty.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import threading
+from pathlib import Path
+
+from worker.cli import add_engine_args, load_engine, served_model_name
+
+KEY_FILE = "api_key"
+
+
+def add_serve_parser(commands) -> None:
+    parser = commands.add_parser("serve", help="API, queue and worker in one process (SQLite, no Redis needed)")
+    add_engine_args(parser)
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
+    parser.add_argument("--data-dir", type=Path, default=Path(".sluice"),
+                        help=f"the database and the API key file ({KEY_FILE}) live here (default ./.sluice)")
+    parser.add_argument("--loglevel", default="WARNING")
+    parser.set_defaults(handler=serve_command)
+
+
+def serve_command(args: argparse.Namespace) -> int:
+    args.data_dir.mkdir(parents=True, exist_ok=True)
+    # before anything reads them: worker.celery_app builds its Celery app from the environment at import
+    os.environ["SLUICE_DATABASE_URL"] = f"sqlite:///{(args.data_dir / 'sluice.db').resolve()}"
+    os.environ["SLUICE_BROKER_URL"] = "memory://"
+    import uvicorn
+
+    from api import db
+    from api.queue import MAINTENANCE_QUEUE, WEBHOOKS_QUEUE, chunk_size, model_queue
+    from api.server import create_app
+    from api.settings import Settings
+    from worker import gpu_worker
+    from worker.celery_app import app as celery
+    from worker.gpu_worker import GpuWorker, WorkerSettings
+
+    logging.basicConfig(level=args.loglevel.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    celery.conf.broker_transport_options = {**celery.conf.broker_transport_options, "polling_interval": 0.05}
+    database = db.make_engine()
+    db.upgrade(database)
+    sessions = db.session_factory(database)
+    key = local_key(sessions, args.data_dir / KEY_FILE)
+    llm = load_engine(args)
+    name = served_model_name(args)
+    worker = GpuWorker(llm, WorkerSettings(name, args.model), sessions, celery).start()
+    gpu_worker.install(worker)
+    settings = Settings.from_env()
+    api = create_app(sessions, celery, Settings(settings.max_file_bytes, settings.max_batch_lines, (name,),
+                                                 settings.metrics_token))
+    server = uvicorn.Server(uvicorn.Config(api, host=args.host, port=args.port, log_level=args.loglevel.lower()))
+    threading.Thread(target=server.run, name="api", daemon=True).start()
+    print(f"sluice serve: model {name!r} at http://{args.host}:{args.port}/v1 ; API key in "
+          f"{args.data_dir / KEY_FILE}:\n{key}", file=sys.stderr)
+    from celery.signals import worker_shutting_down
+
+    worker_shutting_down.connect(lambda **_: worker.begin_shutdown(), weak=False)
+    concurrency = 2 * -(-llm.config.max_num_seqs // chunk_size())
+    try:
+        celery.worker_main(["worker", "-Q", f"{model_queue(name)},{WEBHOOKS_QUEUE},{MAINTENANCE_QUEUE}",
+                            "-P", "threads", "-c", str(concurrency), "--loglevel", args.loglevel,
+                            "--without-gossip", "--without-mingle", "-n", f"serve-{worker.id}@%h"])
+    finally:
+        server.should_exit = True
+        worker.close()
+        gpu_worker.install(None)
+    return 0
+
+
+def local_key(sessions, path: Path) -> str:
+    """The API key of the tenant `local`, made on the first start and kept (mode 600) in the data directory."""
+    from api import store
+
+    if path.exists():
+        key = path.read_text().strip()
+        with sessions.begin() as session:
+            if store.resolve_api_key(session, key) is not None:
+                return key
+    with sessions.begin() as session:
+        tenant = store.get_or_create_tenant(session, store.DEFAULT_TENANT)
+        _, key = store.create_api_key(session, tenant.id)
+    path.write_text(key + "\n")
+    path.chmod(0o600)
+    return key
