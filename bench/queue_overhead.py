@@ -62,7 +62,7 @@ def redis_commands(client: redis.Redis) -> int:
 def through_the_queue(url: str, model: str, requests: list[dict], producers: int) -> dict:
     env = {**os.environ, "SLUICE_DATABASE_URL": url, "SLUICE_BROKER_URL": BROKER_URL}
     worker = subprocess.Popen([sys.executable, "-m", "worker", "worker", "--model", model, "--served-model-name",
-                               "bench", "--loglevel", "WARNING", "--max-num-seqs", str(ENGINE_FLAGS["max_num_seqs"]),
+                               "bench", "--loglevel", "WARNING", *os.environ.get("WORKER_EXTRA", "").split(), "--max-num-seqs", str(ENGINE_FLAGS["max_num_seqs"]),
                                "--max-num-batched-tokens", str(ENGINE_FLAGS["max_num_batched_tokens"])], env=env)
     engine = db.make_engine(url)
     sessions = db.session_factory(engine)

@@ -25,7 +25,7 @@ def prompts(n: int) -> list[list[int]]:
 def test_many_threads_get_the_engines_own_outputs(llm):
     expected = [o.token_ids for o in llm.generate(prompts(24), PARAMS)]
     windows = []
-    bridge = EngineBridge(llm, window_seconds=0.01, on_window=windows.append).start()
+    bridge = EngineBridge(lambda: llm, window_seconds=0.01, on_window=windows.append).start()
     got: dict[int, list[int]] = {}
 
     def worker(ids: range) -> None:
@@ -48,7 +48,7 @@ def test_many_threads_get_the_engines_own_outputs(llm):
 
 
 def test_rejected_requests_fail_their_future_only(llm):
-    bridge = EngineBridge(llm).start()
+    bridge = EngineBridge(lambda: llm).start()
     bad = bridge.submit("too-long", list(range(5, 300)), PARAMS)
     good = bridge.submit("fine", [5, 6, 7], PARAMS)
     with pytest.raises(RequestRejected, match="max_model_len"):
@@ -58,7 +58,7 @@ def test_rejected_requests_fail_their_future_only(llm):
 
 
 def test_abort_cancels_and_stop_cancels_the_rest(llm):
-    bridge = EngineBridge(llm).start()
+    bridge = EngineBridge(lambda: llm).start()
     long = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
     a = bridge.submit("a", [5, 6, 7], long)
     b = bridge.submit("b", [8, 9], long)

@@ -15,6 +15,7 @@ import socket
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from concurrent.futures import CancelledError
 from dataclasses import dataclass
 
@@ -54,12 +55,12 @@ class ChunkOutcome:
 
 
 class GpuWorker:
-    def __init__(self, engine: LLMEngine, settings: WorkerSettings, sessions: sessionmaker[Session], app: Celery):
-        self.engine, self.settings, self.sessions, self.app = engine, settings, sessions, app
+    def __init__(self, build_engine: Callable[[], LLMEngine], settings: WorkerSettings,
+                 sessions: sessionmaker[Session], app: Celery):
+        self.settings, self.sessions, self.app = settings, sessions, app
         self.id = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.windows: queue.Queue[EfficiencyWindow] = queue.Queue()
-        self.bridge = EngineBridge(engine, settings.window_seconds, on_window=self.windows.put)
-        self.responses = Responses(engine)
+        self.bridge = EngineBridge(build_engine, settings.window_seconds, on_window=self.windows.put)
         self.in_flight: set[int] = set()
         self.lock = threading.Lock()
         self.stopping = threading.Event()
@@ -68,8 +69,10 @@ class GpuWorker:
 
     def start(self) -> GpuWorker:
         store.gpu_hour_cost()  # a bad SLUICE_GPU_HOUR_COST fails at start, not at the first result
-        self._heartbeat("running")
         self.bridge.start()
+        self.engine = self.bridge.engine
+        self.responses = Responses(self.engine)
+        self._heartbeat("running")
         self._maintenance.start()
         return self
 

@@ -53,9 +53,8 @@ def serve_command(args: argparse.Namespace) -> int:
     db.upgrade(database)
     sessions = db.session_factory(database)
     key = local_key(sessions, args.data_dir / KEY_FILE)
-    llm = load_engine(args)
     name = served_model_name(args)
-    worker = GpuWorker(llm, WorkerSettings(name, args.model), sessions, celery).start()
+    worker = GpuWorker(lambda: load_engine(args), WorkerSettings(name, args.model), sessions, celery).start()
     gpu_worker.install(worker)
     settings = Settings.from_env()
     api = create_app(sessions, celery, Settings(settings.max_file_bytes, settings.max_batch_lines, (name,),
@@ -67,7 +66,7 @@ def serve_command(args: argparse.Namespace) -> int:
     from celery.signals import worker_shutting_down
 
     worker_shutting_down.connect(lambda **_: worker.begin_shutdown(), weak=False)
-    concurrency = 2 * -(-llm.config.max_num_seqs // chunk_size())
+    concurrency = 2 * -(-worker.engine.config.max_num_seqs // chunk_size())
     try:
         celery.worker_main(["worker", "-Q", f"{model_queue(name)},{WEBHOOKS_QUEUE},{MAINTENANCE_QUEUE}",
                             "-P", "threads", "-c", str(concurrency), "--loglevel", args.loglevel,

@@ -33,6 +33,7 @@ def add_worker_parser(commands) -> None:
 
 def worker_command(args: argparse.Namespace) -> int:
     from celery.signals import worker_shutting_down
+    from sqlalchemy.exc import SQLAlchemyError
 
     from api import db
     from api.queue import chunk_size, model_queue
@@ -41,19 +42,18 @@ def worker_command(args: argparse.Namespace) -> int:
     from worker.gpu_worker import GpuWorker, WorkerSettings
 
     logging.basicConfig(level=args.loglevel.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    engine = load_engine(args)
     name = served_model_name(args)
     settings = WorkerSettings(name, args.model, lease_seconds=args.lease_seconds,
                               reconcile_seconds=args.reconcile_seconds, stale_seconds=args.stale_seconds,
                               shutdown_grace_seconds=args.shutdown_grace_seconds)
+    worker = GpuWorker(lambda: load_engine(args), settings, db.session_factory(db.make_engine()), app)
     try:
-        sessions = db.session_factory(db.make_engine())
-        worker = GpuWorker(engine, settings, sessions, app).start()
-    except Exception as e:
+        worker.start()  # builds the engine on its own thread; a bad model is load_engine's UsageError
+    except SQLAlchemyError as e:
         raise UsageError(f"cannot reach the database ({db.database_url()}): {e}") from None
     gpu_worker.install(worker)
     worker_shutting_down.connect(lambda **_: worker.begin_shutdown(), weak=False)
-    concurrency = args.concurrency or 2 * -(-engine.config.max_num_seqs // chunk_size())
+    concurrency = args.concurrency or 2 * -(-worker.engine.config.max_num_seqs // chunk_size())
     try:
         app.worker_main(["worker", "-Q", model_queue(name), "-P", "threads", "-c", str(concurrency),
                          "-n", f"gpu-{worker.id}@%h", "--loglevel", args.loglevel, "--without-gossip",
