@@ -26,7 +26,7 @@ def completion(i: int, max_tokens: int, **body) -> dict:
             "body": {"prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": max_tokens, "temperature": 0, **body}}
 
 
-def long_batch(n: int = 24, max_tokens: int = 120) -> list[dict]:
+def long_batch(n: int = 24, max_tokens: int = 400) -> list[dict]:
     return [completion(i, max_tokens, ignore_eos=True) for i in range(n)]
 
 
