@@ -352,13 +352,14 @@ def response_body(url: str, gen: Generation, model: str) -> dict:
     return RESPONSE_BUILDERS[url](gen, model)
 
 
-def output_line(custom_id: str, body: dict) -> dict:
+def output_line(custom_id: str, body: dict, line_id: str | None = None, request_id: str | None = None) -> dict:
     """A line of the output file: a request that succeeded."""
-    return {"id": _new_id("batch_req_"), "custom_id": custom_id,
-            "response": {"status_code": 200, "request_id": _new_id("req_"), "body": body}, "error": None}
+    return {"id": line_id or _new_id("batch_req_"), "custom_id": custom_id,
+            "response": {"status_code": 200, "request_id": request_id or _new_id("req_"), "body": body},
+            "error": None}
 
 
-def error_line(error: LineError) -> dict:
+def error_line(error: LineError, line_id: str | None = None) -> dict:
     """A line of the error file: OpenAI's per-request error, plus the batch-error fields `param` and `line`."""
-    return {"id": _new_id("batch_req_"), "custom_id": error.custom_id, "response": None,
+    return {"id": line_id or _new_id("batch_req_"), "custom_id": error.custom_id, "response": None,
             "error": {"code": error.code, "message": error.message, "param": error.param, "line": error.line}}

@@ -7,6 +7,7 @@ downloads), and are ordered by input line, in the line format of `sluice run` (a
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Iterator
 
 from sqlalchemy import and_, or_, select
@@ -69,16 +70,16 @@ def batch_view(session: Session, batch: Batch) -> dict:
 
 def output_lines(session: Session, batch_id: str) -> Iterator[dict]:
     """The output file's lines (successful requests) finished so far, in input order."""
-    for custom_id, response in _finished(session, batch_id, Result.status_code == 200,
-                                         Request.custom_id, Result.response):
-        yield output_line(custom_id, response)
+    for line, custom_id, response in _finished(session, batch_id, Result.status_code == 200,
+                                               Request.line, Request.custom_id, Result.response):
+        yield _output_line(batch_id, line, custom_id, response)
 
 
 def error_lines(session: Session, batch_id: str) -> Iterator[dict]:
     """The error file's lines (invalid lines and failed requests) finished so far, in input order."""
     for line, custom_id, error in _finished(session, batch_id, Result.status_code != 200,
                                             Request.line, Request.custom_id, Result.error):
-        yield _error_line(line, custom_id, error)
+        yield _error_line(batch_id, line, custom_id, error)
 
 
 def result_page(session: Session, batch_id: str, after_line: int | None, limit: int) -> tuple[list[dict], bool]:
@@ -95,7 +96,8 @@ def result_page(session: Session, batch_id: str, after_line: int | None, limit: 
             raise InvalidInput(f"after: line {after_line} has no result in batch {batch_id}", "after")
         stmt = stmt.where(or_(Result.finished_at > at, and_(Result.finished_at == at, Request.line > after_line)))
     rows = session.execute(stmt.order_by(Result.finished_at, Request.line).limit(limit + 1)).all()
-    records = [{**(output_line(custom_id, response) if status_code == 200 else _error_line(line, custom_id, error)),
+    records = [{**(_output_line(batch_id, line, custom_id, response) if status_code == 200
+                   else _error_line(batch_id, line, custom_id, error)),
                 "line": line, "finished_at": finished_at}
                for line, custom_id, status_code, response, error, finished_at in rows[:limit]]
     return records, len(rows) > limit
@@ -119,10 +121,21 @@ def request_view(session: Session, batch: Batch) -> dict:
             "usage": usage}
 
 
-def _error_line(line: int, custom_id: str | None, error: dict) -> dict:
+def stable_id(prefix: str, batch_id: str, line: int) -> str:
+    """The same id for a result line at every download (OpenAI's ids are stable too): derived, not stored."""
+    return prefix + uuid.uuid5(uuid.NAMESPACE_URL, f"sluice:{prefix}{batch_id}:{line}").hex
+
+
+def _output_line(batch_id: str, line: int, custom_id: str, response: dict) -> dict:
+    return output_line(custom_id, response, stable_id("batch_req_", batch_id, line),
+                       stable_id("req_", batch_id, line))
+
+
+def _error_line(batch_id: str, line: int, custom_id: str | None, error: dict) -> dict:
     # a bad line's request row has no custom_id (see batches.py); its error keeps the one it gave
     return error_line(LineError(line, error["code"], error["message"],
-                                custom_id if custom_id is not None else error.get("custom_id"), error["param"]))
+                                custom_id if custom_id is not None else error.get("custom_id"), error["param"]),
+                      stable_id("batch_req_", batch_id, line))
 
 
 def file_page(session: Session, batch_id: str, kind: str, after_line: int, limit: int) -> list[tuple[int, dict]]:
@@ -131,10 +144,10 @@ def file_page(session: Session, batch_id: str, kind: str, after_line: int, limit
     if kind == "output":
         rows = _finished(session, batch_id, Result.status_code == 200, Request.line, Request.custom_id,
                          Result.response, after_line=after_line, limit=limit)
-        return [(line, output_line(custom_id, response)) for line, custom_id, response in rows]
+        return [(line, _output_line(batch_id, line, custom_id, response)) for line, custom_id, response in rows]
     rows = _finished(session, batch_id, Result.status_code != 200, Request.line, Request.custom_id, Result.error,
                      after_line=after_line, limit=limit)
-    return [(line, _error_line(line, custom_id, error)) for line, custom_id, error in rows]
+    return [(line, _error_line(batch_id, line, custom_id, error)) for line, custom_id, error in rows]
 
 
 def _finished(session: Session, batch_id: str, condition, *columns, after_line: int = 0, limit: int | None = None):

@@ -45,6 +45,11 @@ def test_output_and_error_lines_are_ordered_and_partial_while_running(sessions):
     assert errors[0] == {"id": errors[0]["id"], "custom_id": "b", "response": None,
                          "error": {"code": "invalid_prompt", "message": "line 2: refused", "param": "body.messages",
                                    "line": 2}}
+    # every download names the lines the same, and no two lines alike
+    again_outputs, again_errors = lines(sessions, batch.id)
+    ids = [(x["id"], x.get("response") and x["response"]["request_id"]) for x in outputs + errors]
+    assert ids == [(x["id"], x.get("response") and x["response"]["request_id"]) for x in again_outputs + again_errors]
+    assert len({i for i, _ in ids}) == len(ids)
 
 
 def test_batch_view_has_openai_fields_usage_and_cost(sessions, monkeypatch):
