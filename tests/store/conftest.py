@@ -3,51 +3,22 @@ file, both migrated with `api.db.upgrade`; `engine` runs a test on each, emptied
 
 from __future__ import annotations
 
-import os
-import uuid
-
 import pytest
-import redis
-from sqlalchemy import create_engine, text
-from sqlalchemy.exc import OperationalError
+from databases import postgres_database, redis_db
+from sqlalchemy import text
 
 from api import db
 from api.models import Base
 
-POSTGRES_ADMIN_URLS = ("postgresql+psycopg://root@127.0.0.1:5432/postgres",
-                       "postgresql+psycopg://postgres@127.0.0.1:5432/postgres")
-REDIS_URL = "redis://127.0.0.1:6379/11"
-
-
-def _admin_engine():
-    for url in POSTGRES_ADMIN_URLS:
-        engine = create_engine(url, isolation_level="AUTOCOMMIT")
-        try:
-            with engine.connect():
-                return engine
-        except OperationalError:
-            engine.dispose()
-    pytest.skip("PostgreSQL is not reachable at 127.0.0.1:5432 as root or postgres (trust auth)")
+REDIS_DB = 11
 
 
 @pytest.fixture(scope="session")
-def postgres_url():
-    admin = _admin_engine()
-    name = f"sluice_test_{os.getpid()}_{uuid.uuid4().hex[:8]}"
-    with admin.connect() as connection:
-        connection.execute(text(f'CREATE DATABASE "{name}"'))
-    yield admin.url.set(database=name).render_as_string(hide_password=False)
-    with admin.connect() as connection:
-        connection.execute(text(f'DROP DATABASE "{name}" WITH (FORCE)'))
-    admin.dispose()
-
-
-@pytest.fixture(scope="session")
-def postgresql_engine(postgres_url):
-    engine = db.make_engine(postgres_url)
-    db.upgrade(engine)
-    yield engine
-    engine.dispose()
+def postgresql_engine():
+    with postgres_database("sluice_test") as url:
+        engine = db.make_engine(url)
+        yield engine
+        engine.dispose()
 
 
 @pytest.fixture(scope="session")
@@ -83,13 +54,6 @@ def _empty(engine) -> None:
 @pytest.fixture
 def broker(monkeypatch):
     """A Redis database of the tests' own, empty, named by SLUICE_BROKER_URL."""
-    client = redis.Redis.from_url(REDIS_URL)
-    try:
-        client.ping()
-    except redis.ConnectionError:
-        pytest.skip("Redis is not reachable at 127.0.0.1:6379")
-    client.flushdb()
-    monkeypatch.setenv("SLUICE_BROKER_URL", REDIS_URL)
-    yield client
-    client.flushdb()
-    client.close()
+    with redis_db(REDIS_DB) as client:
+        monkeypatch.setenv("SLUICE_BROKER_URL", f"redis://127.0.0.1:6379/{REDIS_DB}")
+        yield client
