@@ -3,7 +3,7 @@
 import torch
 
 from kernels._triton import cdiv, dot_precision, next_pow2, tl, triton
-from kernels.paged import LOG2E, check_kv_cache
+from kernels.paged import LOG2E, check_kv_cache, paged_scores, softmax_step
 from kernels.quant import dequantize_kv_int8
 
 BLOCK_N = 64  # context tokens per inner step; independent of the cache's block_size
@@ -45,27 +45,12 @@ def _decode_partial_kernel(
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
     for n0 in range(start, end, BLOCK_N):
-        pos = n0 + tl.arange(0, BLOCK_N)
-        valid = pos < end
-        page = tl.load(block_tables_ptr + seq * stride_bt + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-        row = page * stride_cb + (pos % BLOCK_SIZE) * stride_co + kv_head * stride_ch
-        kv_mask = valid[:, None] & (d[None, :] < HEAD_DIM)
-        k = tl.load(k_cache_ptr + row[:, None] + d[None, :] * stride_cd, mask=kv_mask, other=0)
-        v = tl.load(v_cache_ptr + row[:, None] + d[None, :] * stride_cd, mask=kv_mask, other=0)
-        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION)
-        if INT8_KV:
-            srow = page * stride_sb + (pos % BLOCK_SIZE) * stride_so + kv_head * stride_sh
-            # The per-token K scale factors out of the dot product over head_dim: apply it to the fp32 scores.
-            s = s * tl.load(k_scale_ptr + srow, mask=valid, other=0.0)[None, :]
-            v_scale = tl.load(v_scale_ptr + srow, mask=valid, other=0.0)
-            v = (v.to(tl.float32) * v_scale[:, None]).to(q.dtype)
+        s, v, valid = paged_scores(
+            q, n0 + tl.arange(0, BLOCK_N), end, seq, kv_head, d, block_tables_ptr, stride_bt, k_cache_ptr,
+            v_cache_ptr, stride_cb, stride_co, stride_ch, stride_cd, k_scale_ptr, v_scale_ptr, stride_sb, stride_so,
+            stride_sh, BLOCK_SIZE, HEAD_DIM, INT8_KV, DOT_PRECISION)
         s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION)
 
     out = acc / l_i[:, None]
     if SPLIT:  # partials are contiguous [seqs, heads, splits(, head_dim)]

@@ -1,6 +1,9 @@
-"""What the store and attention kernels share about the paged KV cache: layout checks, the exp2 softmax base."""
+"""What the store and attention kernels share about the paged KV cache: layout checks, the exp2 softmax base, and
+the attention kernels' inner step (a tile of keys read through the block table, then an online-softmax update)."""
 
 import torch
+
+from kernels._triton import tl, triton
 
 LOG2E = 1.4426950408889634  # the attention kernels use exp2, so scores are scaled by log2(e) once
 
@@ -21,3 +24,36 @@ def check_kv_cache(op: str, k_cache, v_cache, num_kv_heads: int | None, head_dim
     if k_scale.stride() != v_scale.stride():
         raise ValueError(f"{op}: k_scale and v_scale must share one memory layout")
     return True
+
+
+@triton.jit
+def paged_scores(q, pos, end, seq, kv_head, d, block_tables_ptr, stride_bt, k_cache_ptr, v_cache_ptr,
+                 stride_cb, stride_co, stride_ch, stride_cd, k_scale_ptr, v_scale_ptr, stride_sb, stride_so, stride_sh,
+                 BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, INT8_KV: tl.constexpr,
+                 DOT_PRECISION: tl.constexpr):
+    """Keys at positions `pos` (those < end valid) of sequence `seq`: raw scores q k^T and their V tile."""
+    valid = pos < end
+    page = tl.load(block_tables_ptr + seq * stride_bt + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+    row = page * stride_cb + (pos % BLOCK_SIZE) * stride_co + kv_head * stride_ch
+    kv_mask = valid[:, None] & (d[None, :] < HEAD_DIM)
+    k = tl.load(k_cache_ptr + row[:, None] + d[None, :] * stride_cd, mask=kv_mask, other=0)
+    v = tl.load(v_cache_ptr + row[:, None] + d[None, :] * stride_cd, mask=kv_mask, other=0)
+    s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION)
+    if INT8_KV:
+        srow = page * stride_sb + (pos % BLOCK_SIZE) * stride_so + kv_head * stride_sh
+        # The per-token K scale factors out of the dot product over head_dim: apply it to the fp32 scores.
+        s = s * tl.load(k_scale_ptr + srow, mask=valid, other=0.0)[None, :]
+        v_scale = tl.load(v_scale_ptr + srow, mask=valid, other=0.0)
+        v = (v.to(tl.float32) * v_scale[:, None]).to(q.dtype)
+    return s, v, valid
+
+
+@triton.jit
+def softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION: tl.constexpr):
+    """Online softmax (base 2): fold one tile of masked, scaled scores and its values into the running state."""
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
