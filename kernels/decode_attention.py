@@ -3,8 +3,7 @@
 import torch
 
 from kernels._triton import cdiv, dot_precision, next_pow2, tl, triton
-from kernels.paged import LOG2E, check_kv_cache, paged_scores, softmax_step
-from kernels.quant import dequantize_kv_int8
+from kernels.paged import LOG2E, check_kv_cache, gather_context, paged_scores, softmax_step
 
 BLOCK_N = 64  # context tokens per inner step; independent of the cache's block_size
 PARTITION_TOKENS = 512  # context one program handles before the work is split across programs
@@ -170,19 +169,10 @@ def paged_decode_attention_ref(
 
     num_splits is accepted for signature parity; splitting does not change the result.
     """
-    quantized = _check(q, k_cache, v_cache, block_tables, context_lens, k_scale, v_scale)
-    num_heads, block_size, num_kv_heads = q.shape[1], k_cache.shape[1], k_cache.shape[2]
+    _check(q, k_cache, v_cache, block_tables, context_lens, k_scale, v_scale)
     out = torch.empty_like(q) if out is None else out
     for i, n in enumerate(context_lens.tolist()):
-        pos = torch.arange(n, device=q.device)
-        pages, offsets = block_tables[i, pos // block_size].long(), pos % block_size
-        k, v = k_cache[pages, offsets], v_cache[pages, offsets]  # [n, kv_heads, dim]
-        if quantized:
-            k = dequantize_kv_int8(k, k_scale[pages, offsets], torch.float32)
-            v = dequantize_kv_int8(v, v_scale[pages, offsets], torch.float32)
-        group = num_heads // num_kv_heads
-        k = k.float().repeat_interleave(group, dim=1)
-        v = v.float().repeat_interleave(group, dim=1)
+        k, v = gather_context(k_cache, v_cache, block_tables, i, n, k_scale, v_scale, q.shape[1])
         scores = torch.einsum("hd,nhd->hn", q[i].float(), k) * scale
         out[i] = torch.einsum("hn,nhd->hd", scores.softmax(dim=-1), v).to(out.dtype)
     return out

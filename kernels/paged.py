@@ -26,6 +26,22 @@ def check_kv_cache(op: str, k_cache, v_cache, num_kv_heads: int | None, head_dim
     return True
 
 
+def gather_context(k_cache, v_cache, block_tables, seq: int, length: int, k_scale, v_scale, num_heads: int):
+    """Reference side: sequence `seq`'s first `length` keys and values, dequantized, each KV head repeated for its
+    query heads -> float32 [length, num_heads, head_dim] twice."""
+    from kernels.quant import dequantize_kv_int8
+
+    pos = torch.arange(length, device=k_cache.device)
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    pages, offsets = block_tables[seq, pos // block_size].long(), pos % block_size
+    k, v = k_cache[pages, offsets], v_cache[pages, offsets]  # [length, kv_heads, dim]
+    if k_cache.dtype == torch.int8:
+        k = dequantize_kv_int8(k, k_scale[pages, offsets], torch.float32)
+        v = dequantize_kv_int8(v, v_scale[pages, offsets], torch.float32)
+    group = num_heads // num_kv_heads
+    return k.float().repeat_interleave(group, dim=1), v.float().repeat_interleave(group, dim=1)
+
+
 @triton.jit
 def paged_scores(q, pos, end, seq, kv_head, d, block_tables_ptr, stride_bt, k_cache_ptr, v_cache_ptr,
                  stride_cb, stride_co, stride_ch, stride_cd, k_scale_ptr, v_scale_ptr, stride_sb, stride_so, stride_sh,

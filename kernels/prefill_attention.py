@@ -3,8 +3,7 @@
 import torch
 
 from kernels._triton import dot_precision, next_pow2, tl, triton
-from kernels.paged import LOG2E, check_kv_cache, paged_scores, softmax_step
-from kernels.quant import dequantize_kv_int8
+from kernels.paged import LOG2E, check_kv_cache, gather_context, paged_scores, softmax_step
 
 BLOCK_M = 64  # query tokens per program
 BLOCK_N = 64  # keys per inner step
@@ -131,21 +130,13 @@ def paged_prefill_attention_ref(
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Reference: per sequence, gathers the context and runs masked softmax attention in float32."""
-    quantized = _check(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, k_scale, v_scale)
-    num_heads, block_size, num_kv_heads = q.shape[1], k_cache.shape[1], k_cache.shape[2]
+    _check(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, k_scale, v_scale)
     out = torch.empty_like(q) if out is None else out
     bounds = cu_seqlens_q.tolist()
     for i, n in enumerate(context_lens.tolist()):
         start, end = bounds[i], bounds[i + 1]
+        k, v = gather_context(k_cache, v_cache, block_tables, i, n, k_scale, v_scale, q.shape[1])
         pos = torch.arange(n, device=q.device)
-        pages, offsets = block_tables[i, pos // block_size].long(), pos % block_size
-        k, v = k_cache[pages, offsets], v_cache[pages, offsets]  # [n, kv_heads, dim]
-        if quantized:
-            k = dequantize_kv_int8(k, k_scale[pages, offsets], torch.float32)
-            v = dequantize_kv_int8(v, v_scale[pages, offsets], torch.float32)
-        group = num_heads // num_kv_heads
-        k = k.float().repeat_interleave(group, dim=1)
-        v = v.float().repeat_interleave(group, dim=1)
         q_pos = torch.arange(n - (end - start), n, device=q.device)
         scores = torch.einsum("thd,nhd->htn", q[start:end].float(), k) * scale
         scores = scores.masked_fill(pos[None, None, :] > q_pos[None, :, None], float("-inf"))
