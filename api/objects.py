@@ -158,17 +158,6 @@ class RequestObject(BaseModel):
     usage: RequestUsage | None
 
 
-class UsageRow(BaseModel):
-    day: str = Field(description="YYYY-MM-DD (UTC) on which the results finished")
-    batch_id: str = Field(description="a batch's id, or a single request's (req_...)")
-    requests: int
-    prompt_tokens: int
-    cached_tokens: int
-    completion_tokens: int
-    gpu_seconds: float
-    cost: float
-
-
 class UsageTotals(BaseModel):
     requests: int
     prompt_tokens: int
@@ -176,6 +165,11 @@ class UsageTotals(BaseModel):
     completion_tokens: int
     gpu_seconds: float
     cost: float
+
+
+class UsageRow(UsageTotals):
+    day: str = Field(description="YYYY-MM-DD (UTC) on which the results finished")
+    batch_id: str = Field(description="a batch's id, or a single request's (req_...)")
 
 
 class UsageReport(BaseModel):
