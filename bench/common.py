@@ -26,6 +26,15 @@ def bench_model(dtype: str = "float32") -> Path:
     return path
 
 
+def small_model() -> Path:
+    """A small Llama (hidden 256, 4 layers, ~3M parameters): a step costs more than the demo's, still tiny."""
+    path = cache_dir() / "bench-llama-small"
+    if not (path / "config.json").exists():
+        build_checkpoint(path, "LlamaForCausalLM", seed=0, hidden_size=256, intermediate_size=704,
+                         num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2)
+    return path
+
+
 def workload(n: int = 64, seed: int = 0, prompt_range=(10, 200), max_tokens_range=(8, 128)) -> list[Request]:
     rng = random.Random(seed)
     vocab = BENCH_SHAPE["vocab_size"]

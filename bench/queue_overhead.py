@@ -3,7 +3,7 @@ one `sluice worker`, against the same requests through the engine alone, in one 
 
 Prints requests/s and output tokens/s of both, the overhead, and the Postgres rows and Redis messages (and
 commands) per request. Needs the local PostgreSQL and Redis (creates and drops its own database, uses Redis db 15).
-Run: python bench/queue_overhead.py [--requests 10000] [--producers 8] [--model demo]
+Run: python bench/queue_overhead.py [--requests 10000] [--producers 8] [--model demo|small|DIR]
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ def redis_commands(client: redis.Redis) -> int:
 def through_the_queue(url: str, model: str, requests: list[dict], producers: int) -> dict:
     env = {**os.environ, "SLUICE_DATABASE_URL": url, "SLUICE_BROKER_URL": BROKER_URL}
     worker = subprocess.Popen([sys.executable, "-m", "worker", "worker", "--model", model, "--served-model-name",
-                               "bench", "--loglevel", "WARNING", *os.environ.get("WORKER_EXTRA", "").split(), "--max-num-seqs", str(ENGINE_FLAGS["max_num_seqs"]),
+                               "bench", "--loglevel", "WARNING", "--max-num-seqs", str(ENGINE_FLAGS["max_num_seqs"]),
                                "--max-num-batched-tokens", str(ENGINE_FLAGS["max_num_batched_tokens"])], env=env)
     engine = db.make_engine(url)
     sessions = db.session_factory(engine)
@@ -97,6 +97,7 @@ def through_the_queue(url: str, model: str, requests: list[dict], producers: int
             t.start()
         for t in threads:
             t.join()
+        submitted = time.perf_counter() - start
         while True:  # a cheap poll: the bench must not steal the CPU it measures
             with sessions.begin() as s:
                 done = all(store.get_batch(s, b).status == "completed" for b in batch_ids)
@@ -107,7 +108,7 @@ def through_the_queue(url: str, model: str, requests: list[dict], producers: int
         with sessions.begin() as s:
             views = [store.batch_view(s, store.get_batch(s, b)) for b in batch_ids]
         time.sleep(1.5)  # pg_stat counters are flushed by the backends after their transactions
-        return {"seconds": seconds, "tokens": sum(v["usage"]["output_tokens"] for v in views),
+        return {"seconds": seconds, "submitted": submitted, "tokens": sum(v["usage"]["output_tokens"] for v in views),
                 "pg_writes": pg_writes(engine) - writes, "messages": messages[0],
                 "redis_commands": redis_commands(client) - commands}
     finally:
@@ -121,9 +122,13 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=10_000)
     ap.add_argument("--producers", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=16)
-    ap.add_argument("--model", default="demo")
+    ap.add_argument("--model", default="demo", help="a checkpoint dir, 'demo', or 'small' (hidden 256, 4 layers)")
     args = ap.parse_args()
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    if args.model == "small":
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from common import small_model
+
+        args.model = str(small_model())
     requests = lines(args.requests, args.max_tokens, 0)
     alone_s, alone_tokens = engine_alone(args.model, requests)
 
@@ -149,6 +154,7 @@ def main() -> None:
     print(f"{'engine alone (in-process)':34s} {alone_s:8.1f} {n / alone_s:8.1f} {alone_tokens / alone_s:9.0f}")
     print(f"{'producers -> Redis -> worker -> PG':34s} {q['seconds']:8.1f} {n / q['seconds']:8.1f} "
           f"{q['tokens'] / q['seconds']:9.0f}")
+    print(f"the producers had stored and published everything after {q['submitted']:.1f} s")
     print(f"queue-and-database overhead: {1 - alone_s / q['seconds']:.1%} of the engine's throughput")
     print(f"per request: {q['pg_writes'] / n:.2f} Postgres rows written (inserts+updates), "
           f"{q['messages'] / n:.3f} Redis messages ({q['messages']} chunks), "
