@@ -105,7 +105,7 @@ def test_weight_bytes_are_the_packed_sizes(llama_dir):
 
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2"])
 def test_quantized_quality_on_the_test_models(checkpoints, arch):
-    """Bounds from bench/quant_quality.py's measurements on these models (README): int8 logits within 0.6% and
+    """Bounds from bench/quant_quality.py's measurements on these models (README): int8 logits within 0.5-0.7% and
     top-1 98.7-100% of the float model; int4 g32 within 6.3-7.7% and 87-100%. Bounds leave about 2x margin."""
     path = checkpoints(arch)
     ref = LLM(str(path), num_kv_blocks=64)
