@@ -13,26 +13,47 @@ from collections import defaultdict
 from sqlalchemy import Row, select, update
 from sqlalchemy.orm import Session
 
-from api.models import Batch, Request
+from api.models import Batch, Request, Result
 from api.store.batches import Work
-from api.store.common import batch_in, lease_expired, lock_batches
-from api.store.lifecycle import settle
+from api.store.common import batch_in, error_result, insert, lease_expired, lock_batches
+from api.store.lifecycle import count_finished, settle
+
+MAX_ATTEMPTS = 3  # workers that died running a request this many times: fail it rather than kill a fourth
+WORKER_LOST_STATUS_CODE = 500
 
 
 def recover_expired_leases(session: Session) -> list[Work]:
     """Requests whose worker's lease ran out: in in_progress batches they are returned to be published again (a claim
-    takes an expired lease over); in cancelling batches nobody will abort them, so they are cancelled here."""
+    takes an expired lease over), unless workers already died MAX_ATTEMPTS times running them: those fail, since they
+    may be what kills the workers. In cancelling batches nobody will abort them, so they are cancelled here."""
     now = time.time()
     cancelling = select(Request.batch_id).where(lease_expired(now), batch_in("cancelling"))
     for batch_id in lock_batches(session, cancelling):
         session.execute(update(Request).where(Request.batch_id == batch_id, lease_expired(now))
                         .values(status="cancelled", lease_owner=None, lease_expires_at=None))
         settle(session, batch_id, now)
+    _fail_exhausted(session, now)
     rows = session.execute(update(Request)
                            .where(lease_expired(now), Request.published_at < Request.lease_expires_at,
                                   batch_in("in_progress"))
                            .values(published_at=now).returning(Request.id, Request.batch_id)).all()
     return _work(session, rows)
+
+
+def _fail_exhausted(session: Session, now: float) -> None:
+    exhausted = (lease_expired(now), Request.attempts >= MAX_ATTEMPTS)
+    for batch_id in lock_batches(session, select(Request.batch_id).where(*exhausted, batch_in("in_progress"))):
+        rows = session.execute(update(Request).where(Request.batch_id == batch_id, *exhausted)
+                               .values(status="failed", lease_owner=None, lease_expires_at=None)
+                               .returning(Request.id, Request.line, Request.attempts)).all()
+        session.execute(insert(session, Result.__table__).on_conflict_do_nothing(), [
+            error_result(request_id, WORKER_LOST_STATUS_CODE, {
+                "code": "worker_lost", "param": None,
+                "message": f"line {line}: the worker running this request stopped {attempts} times (killed or "
+                           "crashed); it is not tried again"}, now)
+            for request_id, line, attempts in rows])
+        count_finished(session, batch_id, 0, len(rows))
+        settle(session, batch_id, now)
 
 
 def republish_stale(session: Session, older_than: float, models: list[str] | None = None) -> list[Work]:

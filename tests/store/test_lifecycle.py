@@ -139,6 +139,25 @@ def test_reconcile_republishes_a_dead_workers_requests_once(sessions):
         assert store.recover_expired_leases(session) == [store.Work("tiny", 7, [a, b])]
 
 
+def test_a_request_that_keeps_killing_workers_fails_after_max_attempts(sessions):
+    from api.store.recovery import MAX_ATTEMPTS
+
+    batch, work = submit(sessions, [chat("poison"), chat("fine")])
+    poison, fine = work.request_ids
+    for attempt in range(1, MAX_ATTEMPTS + 1):
+        claim_and_die(sessions, [poison], f"victim-{attempt}")
+        with sessions.begin() as session:
+            work_again = store.recover_expired_leases(session)
+        assert work_again == ([store.Work("tiny", 5, [poison])] if attempt < MAX_ATTEMPTS else [])
+    assert statuses(sessions, batch.id) == {poison: "failed", fine: "queued"}
+    row = batch_row(sessions, batch.id)
+    assert (row.status, row.request_completed, row.request_failed) == ("in_progress", 0, 1)
+    with sessions.begin() as session:
+        errors = list(store.error_lines(session, batch.id))
+    assert errors[0]["custom_id"] == "poison" and errors[0]["error"]["code"] == "worker_lost"
+    assert f"stopped {MAX_ATTEMPTS} times" in errors[0]["error"]["message"]
+
+
 def test_reconcile_republishes_requests_queued_too_long(sessions):
     batch, work = submit(sessions, [chat("a"), chat("b")])
     a, b = work.request_ids
