@@ -13,6 +13,12 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import uvicorn
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 @contextmanager
 def serve_app(app) -> Iterator[str]:
     """Yields the server's base URL (http://127.0.0.1:PORT) once it accepts connections; stops it afterwards."""

@@ -72,8 +72,10 @@ class _Submit:
 
 class EngineBridge:
     def __init__(self, build: Callable[[], LLMEngine], window_seconds: float = 10.0,
-                 on_window: Callable[[EfficiencyWindow], None] | None = None):
+                 on_window: Callable[[EfficiencyWindow], None] | None = None,
+                 on_step: Callable[[LLMEngine, list[RequestOutput]], None] | None = None):
         self.build = build
+        self.on_step = on_step
         self.engine: LLMEngine | None = None
         self.window_seconds = window_seconds
         self.on_window = on_window
@@ -167,6 +169,8 @@ class EngineBridge:
         before = dict(self.engine.counters)
         outputs: list[RequestOutput] = self.engine.step()
         self._account(before)
+        if self.on_step is not None:
+            self.on_step(self.engine, outputs)
         for out in outputs:
             if out.finished:
                 self._futures.pop(out.request_id).set_result(out)

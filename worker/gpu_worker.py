@@ -29,6 +29,7 @@ from api.schemas import BODIES, response_body
 from api.webhooks import publish_deliveries
 from worker.bridge import EfficiencyWindow, EngineBridge
 from worker.engine import LLMEngine, RequestOutput, RequestRejected
+from worker.metrics import EngineMetrics
 from worker.reconcile import STALE_SECONDS, reconcile_once
 from worker.translate import PromptError, Responses, engine_inputs
 
@@ -46,6 +47,7 @@ class WorkerSettings:
     stale_seconds: float = STALE_SECONDS
     shutdown_grace_seconds: float = 30.0
     window_seconds: float = 10.0
+    metrics_port: int | None = None
 
 
 @dataclass
@@ -60,7 +62,9 @@ class GpuWorker:
         self.settings, self.sessions, self.app = settings, sessions, app
         self.id = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.windows: queue.Queue[EfficiencyWindow] = queue.Queue()
-        self.bridge = EngineBridge(build_engine, settings.window_seconds, on_window=self.windows.put)
+        self.metrics = EngineMetrics(settings.served_model_name)
+        self.bridge = EngineBridge(build_engine, settings.window_seconds, on_window=self.windows.put,
+                                   on_step=self.metrics.observe)
         self.in_flight: set[int] = set()
         self.lock = threading.Lock()
         self.stopping = threading.Event()
@@ -72,6 +76,8 @@ class GpuWorker:
         self.bridge.start()
         self.engine = self.bridge.engine
         self.responses = Responses(self.engine)
+        if self.settings.metrics_port is not None:
+            self.metrics.serve(self.settings.metrics_port)
         self._heartbeat("running")
         self._maintenance.start()
         return self

@@ -27,6 +27,8 @@ def add_worker_parser(commands) -> None:
                      help="re-send queued requests published this long ago when their queue is empty (lost messages)")
     ops.add_argument("--shutdown-grace-seconds", type=float, default=30.0, metavar="S",
                      help="on SIGTERM, how long running chunks may take before their requests are given back")
+    ops.add_argument("--metrics-port", type=int, metavar="PORT",
+                     help="serve the engine's live Prometheus metrics on this port (sluice:engine_*)")
     ops.add_argument("--loglevel", default="INFO")
     parser.set_defaults(handler=worker_command)
 
@@ -45,7 +47,7 @@ def worker_command(args: argparse.Namespace) -> int:
     name = served_model_name(args)
     settings = WorkerSettings(name, args.model, lease_seconds=args.lease_seconds,
                               reconcile_seconds=args.reconcile_seconds, stale_seconds=args.stale_seconds,
-                              shutdown_grace_seconds=args.shutdown_grace_seconds)
+                              shutdown_grace_seconds=args.shutdown_grace_seconds, metrics_port=args.metrics_port)
     worker = GpuWorker(lambda: load_engine(args), settings, db.session_factory(db.make_engine()), app)
     try:
         worker.start()  # builds the engine on its own thread; a bad model is load_engine's UsageError

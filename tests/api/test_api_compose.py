@@ -46,6 +46,9 @@ def test_gpu_worker_webhooks_worker_and_prometheus(compose):
     assert "./deploy/prometheus.yml" in mounted
     config = yaml.safe_load((ROOT / "deploy" / "prometheus.yml").read_text())
     assert config["scrape_configs"][0]["static_configs"][0]["targets"] == ["api:8000"]
+    workers = config["scrape_configs"][1]["dns_sd_configs"][0]
+    assert workers["names"] == ["gpu-worker"] and workers["port"] == 9400
+    assert gpu["command"][gpu["command"].index("--metrics-port") + 1] == "9400"
     dockerfile = (ROOT / "Dockerfile").read_text()
     assert "FROM python:3.11-slim" in dockerfile and "torch==2.13.0" in dockerfile
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -13,7 +12,7 @@ import time
 import httpx
 import openai
 import pytest
-from servers import Receiver, serve_app
+from servers import Receiver, free_port, serve_app
 
 from api import store
 from api.server import create_app
@@ -116,12 +115,6 @@ def test_openai_sdk_end_to_end(cluster, live, llama_dir):
     assert client.batches.cancel(doomed.id).status in ("cancelling", "cancelled")
     doomed = wait_for(client, doomed.id, ("cancelled",), timeout=60)
     assert doomed.request_counts.completed < 40 and doomed.cancelled_at is not None
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_sluice_serve_on_sqlite_with_the_sdk(tmp_path, llama_dir):

@@ -5,7 +5,9 @@ from __future__ import annotations
 import signal
 import time
 
+import httpx
 import pytest
+from servers import free_port
 from sqlalchemy import func, select, text
 
 from api import store
@@ -44,7 +46,8 @@ def test_results_equal_the_engines_greedy_output(cluster, llama_dir):
     completions = [completion(i, 5 + i % 7) for i in range(12)]
     completions.append(completion(99, 8) | {"custom_id": "too-long", "body": {"prompt": "x " * 3000,
                                                                                "max_tokens": 8}})
-    cluster.start_worker()
+    metrics_port = free_port()
+    cluster.start_worker("--metrics-port", str(metrics_port))
     chat_batch, completion_batch = cluster.submit(chats), cluster.submit(completions)
     views = [cluster.wait_status(b, ("completed",)) for b in (chat_batch, completion_batch)]
     assert [v["request_counts"] for v in views] == [{"total": 13, "completed": 12, "failed": 1}] * 2
@@ -76,6 +79,12 @@ def test_results_equal_the_engines_greedy_output(cluster, llama_dir):
     assert usage["cost"] == pytest.approx(usage["gpu_seconds"] * 3.6 / 3600)
     rows = cluster.result_rows(completion_batch)
     assert all(r.e2e_seconds >= r.ttft_seconds >= r.queue_seconds >= 0 for r in rows if r.error is None)
+
+    scraped = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics").text
+    generated = sum(r.completion_tokens for b in (chat_batch, completion_batch) for r in cluster.result_rows(b))
+    assert f'sluice:engine_generation_tokens_total{{model_name="tiny"}} {float(generated)}' in scraped
+    assert 'sluice:engine_num_requests_running{model_name="tiny"} 0.0' in scraped
+    assert 'sluice:engine_e2e_request_latency_seconds_count{model_name="tiny"} 24.0' in scraped
 
     cluster.workers[0].send_signal(signal.SIGTERM)  # a clean stop writes the last efficiency window
     assert cluster.workers[0].wait(timeout=60) == 0

@@ -1,0 +1,52 @@
+"""A GPU worker's live engine metrics for Prometheus (`sluice worker --metrics-port`), vLLM's names under
+`sluice:engine_`: per engine and live, where the API's /metrics are cluster-wide and read from the database."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+from worker.engine import LLMEngine, RequestOutput
+
+LATENCY_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600)
+STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+
+
+class EngineMetrics:
+    def __init__(self, model: str):
+        self.registry = CollectorRegistry()
+        self.model = model
+        gauge = lambda name, doc: Gauge(f"sluice:engine_{name}", doc, ["model_name"], registry=self.registry)
+        counter = lambda name, doc: Counter(f"sluice:engine_{name}", doc, ["model_name"], registry=self.registry)
+        self.running = gauge("num_requests_running", "Sequences in the engine's running batch")
+        self.waiting = gauge("num_requests_waiting", "Requests in the engine waiting to be scheduled")
+        self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV-cache blocks in use, 0 to 1")
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens prefilled (recomputation included)")
+        self.generation_tokens = counter("generation_tokens", "Tokens generated")
+        self.preemptions = counter("num_preemptions", "Sequences preempted for lack of KV blocks")
+        self.step = Histogram("sluice:engine_step_seconds", "Wall time of one engine step", ["model_name"],
+                              buckets=STEP_BUCKETS, registry=self.registry)
+        self.ttft = Histogram("sluice:engine_time_to_first_token_seconds", "From the request's submission to its "
+                              "first token", ["model_name"], buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.e2e = Histogram("sluice:engine_e2e_request_latency_seconds", "From the request's submission to its "
+                             "last token", ["model_name"], buckets=LATENCY_BUCKETS, registry=self.registry)
+        self._last: dict[str, int] = {}
+
+    def serve(self, port: int) -> None:
+        start_http_server(port, registry=self.registry)
+
+    def observe(self, engine: LLMEngine, outputs: list[RequestOutput]) -> None:
+        """After each step, on the engine thread: cheap reads of counters the engine keeps anyway."""
+        stats, m = engine.stats(), self.model
+        self.running.labels(m).set(stats["num_running"])
+        self.waiting.labels(m).set(stats["num_waiting"])
+        self.kv_usage.labels(m).set(stats["kv_blocks_used"] / stats["kv_blocks_total"])
+        self.generation_tokens.labels(m).inc(len(outputs))  # every output gained exactly one token this step
+        for counter, key in ((self.prompt_tokens, "num_prefill_tokens"), (self.preemptions, "num_preemptions")):
+            counter.labels(m).inc(stats[key] - self._last.get(key, 0))
+            self._last[key] = stats[key]
+        if engine.last_step is not None:
+            self.step.labels(m).observe(engine.last_step.seconds)
+        for out in outputs:
+            if out.finished and out.metrics.first_token_time is not None:
+                self.ttft.labels(m).observe(out.metrics.first_token_time - out.metrics.arrival_time)
+                self.e2e.labels(m).observe(out.metrics.finish_time - out.metrics.arrival_time)
