@@ -1,4 +1,4 @@
-"""/v1/webhook_endpoints: register, list and delete the URLs that hear of a batch's end; read their deliveries.
+"""/v1/webhook_endpoints: register, list, retrieve and delete the URLs told of a batch's end; read deliveries.
 
 An endpoint's secret (whsec_...) is shown once, at creation; events are signed with it per Standard Webhooks, so
 `openai.OpenAI(webhook_secret=...).webhooks.unwrap(body, headers)` verifies them. Deliveries that keep failing
@@ -52,6 +52,12 @@ def create_endpoint(body: WebhookEndpointCreate, svc: ServicesDep, me: CallerDep
 def list_endpoints(svc: ServicesDep, me: CallerDep) -> WebhookEndpointList:
     with svc.sessions.begin() as session:
         return WebhookEndpointList(data=[_endpoint(e) for e in store.list_webhook_endpoints(session, me.tenant_id)])
+
+
+@router.get("/{endpoint_id}", response_model=WebhookEndpointObject, summary="Retrieve a webhook endpoint")
+def get_endpoint(svc: ServicesDep, me: CallerDep, endpoint_id: str) -> WebhookEndpointObject:
+    with svc.sessions.begin() as session:
+        return _endpoint(store.get_webhook_endpoint(session, endpoint_id, me.tenant_id))
 
 
 @router.delete("/{endpoint_id}", response_model=WebhookEndpointDeleted, summary="Delete a webhook endpoint")

@@ -33,7 +33,8 @@ def routes(ids: dict) -> list[tuple[str, str]]:
             ("GET", f"/v1/files/file-err-{batch}/content"), ("DELETE", f"/v1/files/file-err-{batch}"),
             ("GET", f"/v1/batches/{batch}"), ("POST", f"/v1/batches/{batch}/cancel"),
             ("GET", f"/v1/batches/{batch}/results"), ("GET", f"/v1/batches/{batch}/efficiency"),
-            ("GET", f"/v1/requests/{ids['request']}"), ("DELETE", f"/v1/webhook_endpoints/{ids['endpoint']}"),
+            ("GET", f"/v1/requests/{ids['request']}"), ("GET", f"/v1/webhook_endpoints/{ids['endpoint']}"),
+            ("DELETE", f"/v1/webhook_endpoints/{ids['endpoint']}"),
             ("GET", f"/v1/webhook_endpoints/{ids['endpoint']}/deliveries")]
 
 

@@ -70,9 +70,12 @@ def test_endpoints_are_created_listed_and_deleted(api, tenant_key, private_ok):
     assert created["secret"].startswith("whsec_") and created["events"] == ["batch.completed"]
     listed = httpx.get(f"{api.url}/v1/webhook_endpoints", headers=headers(key)).json()["data"]
     assert [e["id"] for e in listed] == [created["id"]] and "secret" not in listed[0]
+    one = httpx.get(f"{api.url}/v1/webhook_endpoints/{created['id']}", headers=headers(key)).json()
+    assert one == listed[0]
     assert register(api, key, "http://127.0.0.1:9/all")["events"] == list(store.EVENTS)
     response = httpx.delete(f"{api.url}/v1/webhook_endpoints/{created['id']}", headers=headers(key))
     assert response.json() == {"id": created["id"], "object": "webhook_endpoint.deleted", "deleted": True}
+    assert httpx.get(f"{api.url}/v1/webhook_endpoints/{created['id']}", headers=headers(key)).status_code == 404
     response = httpx.post(f"{api.url}/v1/webhook_endpoints", headers=headers(key),
                           json={"url": "http://127.0.0.1:9/x", "events": ["batch.done"]})
     assert response.status_code == 400 and response.json()["error"]["param"] == "events"
