@@ -105,7 +105,8 @@ ROUTES = {("POST", "/v1/files"), ("GET", "/v1/files"), ("GET", "/v1/files/{file_
           ("GET", "/v1/batches/{batch_id}/results"), ("GET", "/v1/batches/{batch_id}/efficiency"),
           ("POST", "/v1/requests"), ("GET", "/v1/requests/{request_id}"), ("GET", "/v1/usage"),
           ("POST", "/v1/webhook_endpoints"), ("GET", "/v1/webhook_endpoints"),
-          ("DELETE", "/v1/webhook_endpoints/{endpoint_id}"), ("GET", "/v1/webhook_endpoints/{endpoint_id}/deliveries"),
+          ("GET", "/v1/webhook_endpoints/{endpoint_id}"), ("DELETE", "/v1/webhook_endpoints/{endpoint_id}"),
+          ("GET", "/v1/webhook_endpoints/{endpoint_id}/deliveries"),
           ("GET", "/healthz"), ("GET", "/readyz"), ("GET", "/metrics")}
 
 
