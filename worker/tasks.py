@@ -1,4 +1,7 @@
-"""Celery tasks: run a chunk of requests on this process's GPU worker, deliver a webhook, and reconcile."""
+"""Celery tasks: run a chunk of requests on this process's GPU worker, deliver a webhook, and reconcile.
+
+Importing this never imports torch: the CPU worker (webhooks, maintenance) loads it too.
+"""
 
 from __future__ import annotations
 
@@ -11,7 +14,6 @@ from sqlalchemy.orm import Session, sessionmaker
 from api import db
 from api.queue import DELIVER_WEBHOOK, RECONCILE, RUN_CHUNK
 from api.webhooks import deliver
-from worker import gpu_worker
 from worker.celery_app import app
 from worker.reconcile import reconcile_once
 
@@ -24,7 +26,9 @@ def sessions() -> sessionmaker[Session]:
 @app.task(name=RUN_CHUNK)
 def run_chunk(request_ids: list[int]) -> None:
     """Returns only once the chunk's results are committed: Celery acks the message after that (acks_late)."""
-    worker = gpu_worker.current()
+    from worker.gpu_worker import current  # the engine side, only in a GPU worker's process
+
+    worker = current()
     if worker is None:
         raise Reject("this process has no engine: chunks are run by `sluice worker`", requeue=True)
     outcome = worker.run_chunk(request_ids)
