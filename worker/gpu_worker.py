@@ -35,6 +35,7 @@ from worker.translate import PromptError, Responses, engine_inputs
 
 log = logging.getLogger(__name__)
 DB_ATTEMPTS = 5  # transient database errors (a restart, a deadlock victim) are retried with backoff
+RENEW_SECONDS = 5.0  # renewing leases also tells the worker what to abort (cancelled batches): a cancel acts this fast
 
 
 @dataclass
@@ -166,7 +167,7 @@ class GpuWorker:
             now = time.monotonic()
             try:
                 if now >= due["lease"]:
-                    due["lease"] = now + self.settings.lease_seconds / 3
+                    due["lease"] = now + min(self.settings.lease_seconds / 3, RENEW_SECONDS)
                     self._renew_leases()
                 if now >= due["beat"]:
                     due["beat"] = now + self.settings.heartbeat_seconds
