@@ -28,7 +28,7 @@ def completion(i: int, max_tokens: int, **body) -> dict:
             "body": {"prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": max_tokens, "temperature": 0, **body}}
 
 
-def long_batch(n: int = 24, max_tokens: int = 400) -> list[dict]:
+def long_batch(n: int = 24, max_tokens: int = 1200) -> list[dict]:
     return [completion(i, max_tokens, ignore_eos=True) for i in range(n)]
 
 
@@ -130,9 +130,11 @@ def test_a_message_delivered_twice_gives_one_result(cluster):
 
 def test_redis_flushed_mid_batch_the_reconciler_completes_it(cluster):
     cluster.start_worker("--max-num-seqs", "2")
-    batch_id = cluster.submit(long_batch(24, 60))
+    batch_id = cluster.submit(long_batch(24, 600))
     cluster.wait_finished(batch_id, 2)
     cluster.redis.flushdb()  # every waiting message is gone
+    with cluster.sessions.begin() as s:
+        assert s.scalar(select(func.count()).where(Request.batch_id == batch_id, Request.status == "queued")) > 0
     view = cluster.wait_status(batch_id, ("completed",), timeout=180)
     assert view["request_counts"] == {"total": 24, "completed": 24, "failed": 0}
     exactly_one_result_each(cluster, batch_id)
@@ -185,7 +187,7 @@ def test_two_workers_share_a_batch_without_duplicating_work(cluster):
 
 def test_sigterm_gives_unfinished_requests_back(cluster):
     first = cluster.start_worker("--max-num-seqs", "2")
-    batch_id = cluster.submit(long_batch(16, 400))
+    batch_id = cluster.submit(long_batch(16, 1500))
     cluster.wait_finished(batch_id, 1)
     first.send_signal(signal.SIGTERM)
     assert first.wait(timeout=60) == 0  # grace of 5 s, then in-flight requests are released
