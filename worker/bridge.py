@@ -73,7 +73,7 @@ class _Submit:
 class EngineBridge:
     def __init__(self, build: Callable[[], LLMEngine], window_seconds: float = 10.0,
                  on_window: Callable[[EfficiencyWindow], None] | None = None,
-                 on_step: Callable[[LLMEngine, list[RequestOutput]], None] | None = None):
+                 on_step: Callable[[LLMEngine, list[RequestOutput], dict[str, int]], None] | None = None):
         self.build = build
         self.on_step = on_step
         self.engine: LLMEngine | None = None
@@ -111,10 +111,6 @@ class EngineBridge:
 
     def abort(self, request_id: str) -> None:
         self._inbox.put(request_id)
-
-    @property
-    def num_in_flight(self) -> int:
-        return len(self._futures)
 
     def _run(self) -> None:
         try:
@@ -168,19 +164,18 @@ class EngineBridge:
     def _step(self) -> None:
         before = dict(self.engine.counters)
         outputs: list[RequestOutput] = self.engine.step()
-        self._account(before)
+        delta = {k: v - before[k] for k, v in self.engine.counters.items()}
+        self._account(delta)
         if self.on_step is not None:
-            self.on_step(self.engine, outputs)
+            self.on_step(self.engine, outputs, delta)
         for out in outputs:
             if out.finished:
                 self._futures.pop(out.request_id).set_result(out)
 
-    def _account(self, before: dict) -> None:
+    def _account(self, delta: dict[str, int]) -> None:
         w, record, config = self._window, self.engine.last_step, self.engine.config
         if record is None:
             return
-        after = self.engine.counters
-        delta = {k: after[k] - before[k] for k in after}
         w.steps += 1
         w.prefill_tokens += delta["num_prefill_tokens"]
         w.decode_tokens += delta["num_decode_tokens"]

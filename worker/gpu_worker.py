@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from celery import Celery
 from pydantic import ValidationError
-from sqlalchemy.exc import DBAPIError
+from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
 from api import models, store
@@ -228,8 +228,6 @@ class GpuWorker:
 
 
 def _transient(e: DBAPIError) -> bool:
-    from sqlalchemy.exc import OperationalError
-
     return isinstance(e, OperationalError) or "deadlock" in str(e.orig).lower()
 
 

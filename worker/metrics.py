@@ -29,21 +29,19 @@ class EngineMetrics:
                               "first token", ["model_name"], buckets=LATENCY_BUCKETS, registry=self.registry)
         self.e2e = Histogram("sluice:engine_e2e_request_latency_seconds", "From the request's submission to its "
                              "last token", ["model_name"], buckets=LATENCY_BUCKETS, registry=self.registry)
-        self._last: dict[str, int] = {}
 
     def serve(self, port: int) -> None:
         start_http_server(port, registry=self.registry)
 
-    def observe(self, engine: LLMEngine, outputs: list[RequestOutput]) -> None:
-        """After each step, on the engine thread: cheap reads of counters the engine keeps anyway."""
-        stats, m = engine.stats(), self.model
-        self.running.labels(m).set(stats["num_running"])
-        self.waiting.labels(m).set(stats["num_waiting"])
-        self.kv_usage.labels(m).set(stats["kv_blocks_used"] / stats["kv_blocks_total"])
+    def observe(self, engine: LLMEngine, outputs: list[RequestOutput], delta: dict[str, int]) -> None:
+        """After each step, on the engine thread, with the step's change of the engine's counters."""
+        m, bm = self.model, engine.block_manager
+        self.running.labels(m).set(len(engine.scheduler.running))
+        self.waiting.labels(m).set(engine.scheduler.num_waiting)
+        self.kv_usage.labels(m).set(bm.num_used_blocks / bm.num_blocks)
         self.generation_tokens.labels(m).inc(len(outputs))  # every output gained exactly one token this step
-        for counter, key in ((self.prompt_tokens, "num_prefill_tokens"), (self.preemptions, "num_preemptions")):
-            counter.labels(m).inc(stats[key] - self._last.get(key, 0))
-            self._last[key] = stats[key]
+        self.prompt_tokens.labels(m).inc(delta["num_prefill_tokens"])
+        self.preemptions.labels(m).inc(delta["num_preemptions"])
         if engine.last_step is not None:
             self.step.labels(m).observe(engine.last_step.seconds)
         for out in outputs:

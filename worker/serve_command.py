@@ -10,6 +10,7 @@ whose queue is empty.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import sys
@@ -40,12 +41,12 @@ def serve_command(args: argparse.Namespace) -> int:
     import uvicorn
 
     from api import db
-    from api.queue import MAINTENANCE_QUEUE, WEBHOOKS_QUEUE, chunk_size, model_queue
+    from api.queue import MAINTENANCE_QUEUE, WEBHOOKS_QUEUE, model_queue
     from api.server import create_app
     from api.settings import Settings
-    from worker import gpu_worker
     from worker.celery_app import app as celery
     from worker.gpu_worker import GpuWorker, WorkerSettings
+    from worker.worker_command import serve_queues
 
     logging.basicConfig(level=args.loglevel.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     celery.conf.broker_transport_options = {**celery.conf.broker_transport_options, "polling_interval": 0.05}
@@ -55,26 +56,15 @@ def serve_command(args: argparse.Namespace) -> int:
     key = local_key(sessions, args.data_dir / KEY_FILE)
     name = served_model_name(args)
     worker = GpuWorker(lambda: load_engine(args), WorkerSettings(name, args.model), sessions, celery).start()
-    gpu_worker.install(worker)
-    settings = Settings.from_env()
-    api = create_app(sessions, celery, Settings(settings.max_file_bytes, settings.max_batch_lines, (name,),
-                                                 settings.metrics_token))
+    api = create_app(sessions, celery, dataclasses.replace(Settings.from_env(), models=(name,)))
     server = uvicorn.Server(uvicorn.Config(api, host=args.host, port=args.port, log_level=args.loglevel.lower()))
     threading.Thread(target=server.run, name="api", daemon=True).start()
     print(f"sluice serve: model {name!r} at http://{args.host}:{args.port}/v1 ; API key in "
           f"{args.data_dir / KEY_FILE}:\n{key}", file=sys.stderr)
-    from celery.signals import worker_shutting_down
-
-    worker_shutting_down.connect(lambda **_: worker.begin_shutdown(), weak=False)
-    concurrency = 2 * -(-worker.engine.config.max_num_seqs // chunk_size())
     try:
-        celery.worker_main(["worker", "-Q", f"{model_queue(name)},{WEBHOOKS_QUEUE},{MAINTENANCE_QUEUE}",
-                            "-P", "threads", "-c", str(concurrency), "--loglevel", args.loglevel,
-                            "--without-gossip", "--without-mingle", "-n", f"serve-{worker.id}@%h"])
+        serve_queues(worker, celery, [model_queue(name), WEBHOOKS_QUEUE, MAINTENANCE_QUEUE], args.loglevel, "serve")
     finally:
         server.should_exit = True
-        worker.close()
-        gpu_worker.install(None)
     return 0
 
 

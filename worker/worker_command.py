@@ -34,12 +34,10 @@ def add_worker_parser(commands) -> None:
 
 
 def worker_command(args: argparse.Namespace) -> int:
-    from celery.signals import worker_shutting_down
     from sqlalchemy.exc import SQLAlchemyError
 
     from api import db
-    from api.queue import chunk_size, model_queue
-    from worker import gpu_worker
+    from api.queue import model_queue
     from worker.celery_app import app
     from worker.gpu_worker import GpuWorker, WorkerSettings
 
@@ -53,14 +51,25 @@ def worker_command(args: argparse.Namespace) -> int:
         worker.start()  # builds the engine on its own thread; a bad model is load_engine's UsageError
     except SQLAlchemyError as e:
         raise UsageError(f"cannot reach the database ({db.database_url()}): {e}") from None
+    serve_queues(worker, app, [model_queue(name)], args.loglevel, "gpu", args.concurrency)
+    return 0
+
+
+def serve_queues(worker, app, queues: list[str], loglevel: str, prefix: str, concurrency: int | None = None) -> None:
+    """Run a Celery worker (threads pool) on `queues` in this thread, feeding `worker`'s engine; on SIGTERM its
+    chunks get the grace period, and the GPU worker is closed when Celery exits."""
+    from celery.signals import worker_shutting_down
+
+    from api.queue import chunk_size
+    from worker import gpu_worker
+
     gpu_worker.install(worker)
     worker_shutting_down.connect(lambda **_: worker.begin_shutdown(), weak=False)
-    concurrency = args.concurrency or 2 * -(-worker.engine.config.max_num_seqs // chunk_size())
+    concurrency = concurrency or 2 * -(-worker.engine.config.max_num_seqs // chunk_size())  # fill it twice over
     try:
-        app.worker_main(["worker", "-Q", model_queue(name), "-P", "threads", "-c", str(concurrency),
-                         "-n", f"gpu-{worker.id}@%h", "--loglevel", args.loglevel, "--without-gossip",
+        app.worker_main(["worker", "-Q", ",".join(queues), "-P", "threads", "-c", str(concurrency),
+                         "-n", f"{prefix}-{worker.id}@%h", "--loglevel", loglevel, "--without-gossip",
                          "--without-mingle"])
     finally:
         worker.close()
         gpu_worker.install(None)
-    return 0

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from functools import cached_property
+
 import torch
 
 from worker.engine.attention import AttentionMetadata, LayerCache, TorchAttention
@@ -50,13 +52,13 @@ class ModelRunner:
         k_scale, v_scale = (torch.ones(shape[:3], dtype=torch.float32, device=self.device) for _ in range(2))
         return LayerCache(k, v, k_scale, v_scale)
 
-    @property
+    @cached_property  # fixed once loaded, and stats() is read after every step by the worker's metrics
     def weight_bytes(self) -> int:
         """Bytes the weights occupy (tied tensors once; the rotary table is not a weight)."""
         tensors = {t.data_ptr(): t.numel() * t.element_size() for t in self.model.state_dict().values()}
         return sum(tensors.values())
 
-    @property
+    @cached_property
     def kv_cache_bytes(self) -> int:
         tensors = [t for c in self.caches for t in (c.k, c.v, c.k_scale, c.v_scale) if t is not None]
         return sum(t.numel() * t.element_size() for t in tensors)
