@@ -1,7 +1,10 @@
 """Continuous batching vs static batching (same engine) vs transformers' padded static batches, one workload.
 
 Prints useful output tokens/s of each and the ratios, and the KV memory the workload needs from the paged cache
-versus contiguous preallocation. Run: python bench/throughput.py [--requests 64] [--batch 16] [--skip-hf]
+versus contiguous preallocation. Each engine runs --repeat times, interleaved, and its fastest run counts: this
+machine's speed drifts by tens of percent over seconds, and the fastest run is the least disturbed one. The prefix
+cache is emptied before every run, so no run reuses another's prompts.
+Run: python bench/throughput.py [--requests 64] [--batch 16] [--repeat 2] [--skip-hf]
 """
 
 from __future__ import annotations
@@ -50,10 +53,13 @@ def run_static(llm: LLM, reqs, batch: int) -> float:
     return time.perf_counter() - start
 
 
-def run_hf(path: Path, reqs, batch: int) -> float:
+def hf_model(path: Path):
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    return transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+
+
+def run_hf(model, reqs, batch: int) -> float:
     start = time.perf_counter()
     for b in range(0, len(reqs), batch):
         group = reqs[b:b + batch]
@@ -70,6 +76,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--skip-hf", action="store_true")
     args = ap.parse_args()
     torch.set_num_threads(torch.get_num_threads())
@@ -81,15 +88,28 @@ def main() -> None:
     print(f"workload: {len(reqs)} requests, prompts {min(len(r.prompt) for r in reqs)}-"
           f"{max(len(r.prompt) for r in reqs)} tokens, max_tokens {min(r.max_tokens for r in reqs)}-"
           f"{max(r.max_tokens for r in reqs)}, {useful} useful output tokens; {torch.get_num_threads()} threads")
-    t_cont, kv = run_continuous(llm, reqs)
-    t_static = run_static(llm, reqs, args.batch)
-    rows = [("sluice continuous batching", t_cont), (f"sluice static batches of {args.batch}", t_static)]
+    kv: dict = {}
+
+    def continuous() -> float:
+        seconds, occupancy = run_continuous(llm, reqs)
+        kv.update(occupancy)
+        return seconds
+
+    runs = {"sluice continuous batching": continuous,
+            f"sluice static batches of {args.batch}": lambda: run_static(llm, reqs, args.batch)}
     if not args.skip_hf:
-        rows.append((f"transformers generate, static {args.batch}, padded", run_hf(path, reqs, args.batch)))
+        hf = hf_model(path)
+        runs[f"transformers generate, static {args.batch}, padded"] = lambda: run_hf(hf, reqs, args.batch)
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(args.repeat):
+        for name, run in runs.items():
+            llm.reset_prefix_cache()
+            times[name].append(run())
+    rows = [(name, min(t)) for name, t in times.items()]
     base = rows[-1][1]
-    print(f"{'engine':45s} {'seconds':>8s} {'tok/s':>8s} {'vs last':>8s}")
+    print(f"{'engine':45s} {'seconds':>8s} {'tok/s':>8s} {'vs last':>8s}  all runs (s)")
     for name, t in rows:
-        print(f"{name:45s} {t:8.1f} {useful / t:8.1f} {base / t:7.2f}x")
+        print(f"{name:45s} {t:8.1f} {useful / t:8.1f} {base / t:7.2f}x  {' '.join(f'{x:.1f}' for x in times[name])}")
     print_roofline(llm, reqs, useful, base)
     print_kv(llm, reqs, kv, args.batch)
 

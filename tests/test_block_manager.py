@@ -92,3 +92,14 @@ def test_disabled_prefix_caching_never_hits():
     bm = BlockManager(8, BS, enable_prefix_caching=False)
     run_prefill(bm, seq([1, 2, 3, 4, 5]))
     assert bm.match_prefix(seq([1, 2, 3, 4, 5])) == 0
+
+
+def test_reset_prefix_cache_forgets_prefixes_only_when_no_blocks_are_held():
+    bm = BlockManager(8, BS)
+    a = seq([1, 2, 3, 4, 5, 6, 7, 8, 9])
+    run_prefill(bm, a)
+    assert not bm.reset_prefix_cache()  # a still holds its blocks
+    bm.free(a)
+    assert bm.reset_prefix_cache()
+    assert bm.num_free_blocks == 8 and not bm.evictable and not bm.hash_to_block
+    assert bm.match_prefix(seq([1, 2, 3, 4, 5, 6, 7, 8, 9])) == 0

@@ -110,6 +110,17 @@ class BlockManager:
         seq.block_table.clear()
         seq.block_hashes.clear()
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (benchmarks, changed weights); refused (False) while a sequence holds blocks."""
+        if self.num_used_blocks:
+            return False
+        for block_id in self.evictable:
+            self.blocks[block_id].hash, self.blocks[block_id].token_ids = None, ()
+            self.free_ids.append(block_id)
+        self.evictable.clear()
+        self.hash_to_block.clear()
+        return True
+
     def _ref(self, block_id: int) -> None:
         block = self.blocks[block_id]
         if block.ref_count == 0:

@@ -26,7 +26,7 @@ class RMSNorm(nn.Module):
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     gate, up = x.chunk(2, dim=-1)
-    return F.silu(gate) * up
+    return F.silu(gate).mul_(up)  # in place: one [tokens, intermediate] buffer fewer, same values
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:

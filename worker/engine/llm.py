@@ -152,6 +152,10 @@ class LLMEngine:
         self.scheduler.finish(seq)
         return True
 
+    def reset_prefix_cache(self) -> bool:
+        """Drop the prefix cache (vLLM's name); False, and nothing dropped, while requests hold blocks."""
+        return self.block_manager.reset_prefix_cache()
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_work()
 

@@ -8,6 +8,7 @@ import torch
 
 from worker.engine.attention import AttentionMetadata, LayerCache, TorchAttention
 from worker.engine.config import CPU_DEFAULT_KV_CACHE_MEMORY, CUDA_MEMORY_FRACTION, EngineConfig, ModelConfig
+from worker.engine.linear import DENSE, Linear, PackedFloat32, can_pack_float32
 from worker.engine.loader import build_model, init_dummy_weights, load_weights
 from worker.engine.quantization import quantize_model
 from worker.engine.sequence import Sequence
@@ -30,6 +31,8 @@ class ModelRunner:
         if config.quantization:
             quantize_model(self.model, config.quantization, config.quantization_group_size,
                            config.backend("linear_backend"), config.quantize_lm_head)
+        if config.backend("linear_backend") == "torch":
+            self._pack_float32_weights()
         self.num_blocks = self._num_kv_blocks()
         self.caches = [self._layer_cache() for _ in range(model_config.num_layers)]
 
@@ -52,11 +55,20 @@ class ModelRunner:
         k_scale, v_scale = (torch.ones(shape[:3], dtype=torch.float32, device=self.device) for _ in range(2))
         return LayerCache(k, v, k_scale, v_scale)
 
+    def _pack_float32_weights(self) -> None:
+        """Float32 projections on CPU go to MKL's packed layout (a tied lm_head stays: packing would copy it)."""
+        for module in self.model.modules():
+            if (isinstance(module, Linear) and module.method is DENSE and can_pack_float32(module.weight)
+                    and module.weight is not self.model.model.embed_tokens.weight):
+                module.method = PackedFloat32(module)
+
     @cached_property  # fixed once loaded, and stats() is read after every step by the worker's metrics
     def weight_bytes(self) -> int:
         """Bytes the weights occupy (tied tensors once; the rotary table is not a weight)."""
         tensors = {t.data_ptr(): t.numel() * t.element_size() for t in self.model.state_dict().values()}
-        return sum(tensors.values())
+        packed = [m.method.nbytes for m in self.model.modules()
+                  if isinstance(m, Linear) and isinstance(m.method, PackedFloat32)]
+        return sum(tensors.values()) + sum(packed)
 
     @cached_property
     def kv_cache_bytes(self) -> int:

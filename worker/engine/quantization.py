@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.quant import INT4_GROUP_SIZES, dequantize_int4, dequantize_int8, quantize_int4, quantize_int8, unpack_int4
-from worker.engine.linear import Linear
+from worker.engine.linear import Linear, take_weight
 
 QUANTIZATIONS = ("int8", "int4")
 QUANTIZED_LAYERS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
@@ -41,12 +41,6 @@ def backend_is_cpu_torch(backend: str, w: torch.Tensor) -> bool:
     return backend == "torch" and w.device.type == "cpu"
 
 
-def _take_weight(layer: Linear) -> torch.Tensor:
-    w = layer.weight.data
-    del layer.weight
-    return w
-
-
 class Int8Method:
     """Symmetric per-output-channel INT8; y = x @ (q * scale).T."""
 
@@ -54,7 +48,7 @@ class Int8Method:
         self.backend = backend
 
     def quantize(self, layer: Linear) -> None:
-        qweight, scale = quantize_int8(_take_weight(layer))
+        qweight, scale = quantize_int8(take_weight(layer))
         layer.register_buffer("qweight", qweight)
         layer.register_buffer("scale", scale)
         self.on_cpu = backend_is_cpu_torch(self.backend, qweight)
@@ -85,7 +79,7 @@ class Int4Method:
         self.backend, self.group_size = backend, group_size
 
     def quantize(self, layer: Linear) -> None:
-        w = _take_weight(layer)
+        w = take_weight(layer)
         qweight, scales, zeros = quantize_int4(w, self.group_size)
         self.cpu_kernel = backend_is_cpu_torch(self.backend, w) and w.shape[0] % 16 == 0
         if self.cpu_kernel:  # keep only the CPU kernel's own packing (same bytes), not both

@@ -1,0 +1,54 @@
+"""The packed float32 CPU matmul against F.linear on the same weights, and where the engine uses it."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from worker.engine import LLM
+from worker.engine.linear import DENSE, Linear, PackedFloat32, can_pack_float32
+
+needs_mkl = pytest.mark.skipif(not can_pack_float32(torch.empty(1)), reason="PyTorch built without MKL")
+
+
+@needs_mkl
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows", [1, 3, 16, 64, 65, 300])
+def test_packed_matches_dense(rows, bias):
+    torch.manual_seed(rows)
+    layer = Linear(96, [40, 17], bias=bias)
+    torch.nn.init.normal_(layer.weight)
+    if bias:
+        torch.nn.init.normal_(layer.bias)
+    x = torch.randn(rows, 96)
+    want = F.linear(x, layer.weight, layer.bias)
+    layer.method = PackedFloat32(layer)
+    assert not hasattr(layer, "weight")  # the packed form replaces it
+    got = layer(x)
+    assert got.shape == want.shape
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+
+@needs_mkl
+def test_packed_takes_strided_and_batched_inputs():
+    torch.manual_seed(0)
+    layer = Linear(64, [48])
+    torch.nn.init.normal_(layer.weight)
+    w = layer.weight.data.clone()
+    layer.method = PackedFloat32(layer)
+    x = torch.randn(2, 64, 7).transpose(1, 2)  # [2, 7, 64], not contiguous
+    torch.testing.assert_close(layer(x), F.linear(x, w), rtol=1e-5, atol=1e-5)
+
+
+@needs_mkl
+def test_engine_packs_float32_cpu_weights_only(llama_dir, checkpoints):
+    fp32 = LLM(str(llama_dir), num_kv_blocks=8)
+    bf16 = LLM(str(llama_dir), num_kv_blocks=8, dtype="bfloat16")
+    assert all(isinstance(m.method, PackedFloat32) for m in fp32.runner.model.modules() if isinstance(m, Linear))
+    assert all(m.method is DENSE for m in bf16.runner.model.modules() if isinstance(m, Linear))
+    # the logical weight size, as if dense: packing changes the layout, not what the weights cost
+    assert fp32.stats()["weight_bytes"] == 2 * bf16.stats()["weight_bytes"]
+    # a tied lm_head shares the embedding: packing it would copy the embedding, so it stays dense
+    qwen2 = LLM(str(checkpoints("qwen2")), num_kv_blocks=8)
+    assert qwen2.runner.model.lm_head.method is DENSE
+    assert isinstance(qwen2.runner.model.model.layers[0].self_attn.qkv_proj.method, PackedFloat32)
