@@ -21,7 +21,7 @@ from pathlib import Path
 import redis
 from sqlalchemy import create_engine, text
 
-from api import db, store
+from api import db, models, store
 from api.queue import make_app, publish_chunks
 from worker.engine import LLM, SamplingParams
 
@@ -36,17 +36,28 @@ def lines(n: int, max_tokens: int, offset: int) -> list[dict]:
                       "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}} for i in range(n)]
 
 
-def engine_alone(model: str, requests: list[dict]) -> tuple[float, int]:
+def engine_alone(model: str, requests: list[dict]) -> tuple[float, int, dict]:
     llm = LLM(model, **ENGINE_FLAGS)
     start = time.perf_counter()
     for line in requests:
         body = line["body"]
         llm.add_request(llm.encode_chat(body["messages"]),
                         SamplingParams(max_tokens=body["max_tokens"], temperature=0, ignore_eos=True))
-    tokens = 0
+    tokens = running = 0
     while llm.has_unfinished_requests():
         tokens += len(llm.step())
-    return time.perf_counter() - start, tokens
+        running += llm.last_step.num_seqs
+    seconds, steps = time.perf_counter() - start, llm.stats()["num_steps"]
+    return seconds, tokens, {"steps": steps, "mean_running": running / steps, "busy": llm.busy_seconds}
+
+
+def worker_steps(sessions) -> dict:
+    """What the worker's engine did, from the efficiency windows it recorded."""
+    with sessions.begin() as s:
+        rows = s.query(models.EfficiencyWindow).all()
+    steps = sum(w.steps for w in rows)
+    return {"steps": steps, "mean_running": sum(w.mean_running_seqs * w.steps for w in rows) / max(steps, 1),
+            "busy": sum(w.busy_seconds for w in rows)}
 
 
 def pg_writes(engine) -> int:
@@ -108,13 +119,21 @@ def through_the_queue(url: str, model: str, requests: list[dict], producers: int
         with sessions.begin() as s:
             views = [store.batch_view(s, store.get_batch(s, b)) for b in batch_ids]
         time.sleep(1.5)  # pg_stat counters are flushed by the backends after their transactions
-        return {"seconds": seconds, "submitted": submitted, "tokens": sum(v["usage"]["output_tokens"] for v in views),
-                "pg_writes": pg_writes(engine) - writes, "messages": messages[0],
-                "redis_commands": redis_commands(client) - commands}
+        written, commands = pg_writes(engine) - writes, redis_commands(client) - commands
+        worker.terminate()  # its last efficiency window is written as it stops
+        worker.wait(timeout=60)
+        return {"seconds": seconds, "submitted": submitted, "engine": worker_steps(sessions), "pg_writes": written,
+                "tokens": sum(v["usage"]["output_tokens"] for v in views), "messages": messages[0],
+                "redis_commands": commands}
     finally:
         worker.terminate()
         worker.wait(timeout=60)
         engine.dispose()
+
+
+def engine_line(name: str, e: dict) -> str:
+    return (f"{name}: {e['steps']} steps, {e['mean_running']:.0f} sequences per step on average, "
+            f"{e['busy']:.1f} s stepping")
 
 
 def main() -> None:
@@ -130,7 +149,7 @@ def main() -> None:
 
         args.model = str(small_model())
     requests = lines(args.requests, args.max_tokens, 0)
-    alone_s, alone_tokens = engine_alone(args.model, requests)
+    alone_s, alone_tokens, alone = engine_alone(args.model, requests)
 
     admin = create_engine(ADMIN_URL, isolation_level="AUTOCOMMIT")
     name = f"sluice_bench_{uuid.uuid4().hex[:8]}"
@@ -154,6 +173,8 @@ def main() -> None:
     print(f"{'engine alone (in-process)':34s} {alone_s:8.1f} {n / alone_s:8.1f} {alone_tokens / alone_s:9.0f}")
     print(f"{'producers -> Redis -> worker -> PG':34s} {q['seconds']:8.1f} {n / q['seconds']:8.1f} "
           f"{q['tokens'] / q['seconds']:9.0f}")
+    print(engine_line("engine alone", alone))
+    print(engine_line("the worker's engine", q["engine"]))
     print(f"the producers had stored and published everything after {q['submitted']:.1f} s")
     print(f"queue-and-database overhead: {1 - alone_s / q['seconds']:.1%} of the engine's throughput")
     print(f"per request: {q['pg_writes'] / n:.2f} Postgres rows written (inserts+updates), "

@@ -1,31 +1,44 @@
-"""The engine bridge: one engine thread serving many submitting threads, aborts, rejections, windows."""
+"""The engine bridge: the engine in its own process serving many submitting threads; aborts, rejections, windows,
+build failures, and an engine process that dies with its worker or under it."""
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+import textwrap
 import threading
+import time
 from concurrent.futures import CancelledError
+from functools import partial
 
 import pytest
 
 from worker.bridge import EngineBridge
-from worker.engine import LLM, RequestRejected, SamplingParams
+from worker.engine import LLM, LLMEngine, RequestRejected, SamplingParams
+from worker.engine.config import ModelError
 
 PARAMS = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+LONG = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
+ENGINE = dict(max_num_seqs=8, max_model_len=256, num_kv_blocks=128)
 
 
 @pytest.fixture(scope="module")
-def llm(llama_dir):
-    return LLM(str(llama_dir), max_num_seqs=8, max_model_len=256, num_kv_blocks=128)
+def build(llama_dir):
+    return partial(LLMEngine, str(llama_dir), **ENGINE)
 
 
 def prompts(n: int) -> list[list[int]]:
     return [[5 + (i * 17 + j) % 400 for j in range(4 + i % 9)] for i in range(n)]
 
 
-def test_many_threads_get_the_engines_own_outputs(llm):
-    expected = [o.token_ids for o in llm.generate(prompts(24), PARAMS)]
-    windows = []
-    bridge = EngineBridge(lambda: llm, window_seconds=0.01, on_window=windows.append).start()
+def test_many_threads_get_the_engines_own_outputs(llama_dir, build):
+    expected = [o.token_ids for o in LLM(str(llama_dir), **ENGINE).generate(prompts(24), PARAMS)]
+    windows, steps = [], []
+    bridge = EngineBridge(build, window_seconds=0.01, on_window=windows.append, on_step=steps.append).start()
+    assert bridge.processor.max_request_tokens == 256
+    assert bridge.process.pid != os.getpid()
     got: dict[int, list[int]] = {}
 
     def worker(ids: range) -> None:
@@ -38,38 +51,97 @@ def test_many_threads_get_the_engines_own_outputs(llm):
         t.start()
     for t in threads:
         t.join()
-    bridge.stop(timeout=10)
+    bridge.stop(timeout=30)
     assert [got[i] for i in range(24)] == expected
-    assert sum(w.steps for w in windows) > 0
+    assert sum(w.steps for w in windows) == len(steps) > 0
     assert sum(w.decode_tokens for w in windows) == 24 * 7
+    assert sum(s.generated_tokens for s in steps) == 24 * 8
+    assert sorted(len(s.latencies) for s in steps)[-1] >= 1 and sum(len(s.latencies) for s in steps) == 24
     assert all(0 < w.occupancy <= 1 for w in windows if w.steps)
     assert all(w.max_running <= 8 for w in windows)
-    assert llm.stats()["kv_blocks_used"] == 0
+    assert bridge.final_stats["kv_blocks_used"] == 0
+    assert not bridge.process.is_alive() and bridge.error is None
 
 
-def test_rejected_requests_fail_their_future_only(llm):
-    bridge = EngineBridge(lambda: llm).start()
+def test_rejected_requests_fail_their_future_only(build):
+    bridge = EngineBridge(build).start()
     bad = bridge.submit("too-long", list(range(5, 300)), PARAMS)
     good = bridge.submit("fine", [5, 6, 7], PARAMS)
+    twice = bridge.submit("fine", [5, 6, 7], PARAMS)
     with pytest.raises(RequestRejected, match="max_model_len"):
         bad.result(timeout=30)
+    with pytest.raises(RequestRejected, match="already in the engine"):
+        twice.result(timeout=30)
     assert len(good.result(timeout=30).token_ids) == 8
-    bridge.stop(timeout=10)
+    bridge.stop(timeout=30)
 
 
-def test_abort_cancels_and_stop_cancels_the_rest(llm):
-    bridge = EngineBridge(lambda: llm).start()
-    long = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
-    a = bridge.submit("a", [5, 6, 7], long)
-    b = bridge.submit("b", [8, 9], long)
+def test_abort_cancels_and_stop_cancels_the_rest(build):
+    bridge = EngineBridge(build).start()
+    a = bridge.submit("a", [5, 6, 7], LONG)
+    b = bridge.submit("b", [8, 9], LONG)
     bridge.abort("a")
     with pytest.raises(CancelledError):
         a.result(timeout=30)
-    bridge.stop(timeout=10)
+    bridge.stop(timeout=30)
     with pytest.raises(CancelledError):
         b.result(timeout=1)
-    assert not llm.has_unfinished_requests()
-    assert llm.stats()["kv_blocks_used"] == 0
+    stats = bridge.final_stats
+    assert stats["num_running"] == stats["num_waiting"] == stats["kv_blocks_used"] == 0
     after = bridge.submit("late", [5], PARAMS)
     with pytest.raises(RuntimeError, match="not running"):
         after.result(timeout=1)
+
+
+def test_a_failed_build_raises_its_error(tmp_path):
+    with pytest.raises(ModelError, match="config.json: not found"):
+        EngineBridge(partial(LLMEngine, str(tmp_path))).start()
+
+
+def test_an_engine_process_that_dies_fails_the_waiters(build):
+    bridge = EngineBridge(build).start()
+    waiting = bridge.submit("w", [5, 6, 7], SamplingParams(max_tokens=1000, temperature=0, ignore_eos=True))
+    os.kill(bridge.process.pid, signal.SIGKILL)
+    with pytest.raises(CancelledError):
+        waiting.result(timeout=30)
+    assert "died" in str(bridge.error)
+    with pytest.raises(RuntimeError, match="not running"):
+        bridge.submit("x", [5], PARAMS).result(timeout=1)
+    bridge.stop(timeout=10)
+
+
+def test_the_engine_process_exits_when_its_worker_is_killed(llama_dir, tmp_path):
+    """kill -9 of a worker must not leave its engine running (and holding the GPU)."""
+    script = textwrap.dedent(f"""
+        import sys, time
+        from functools import partial
+        from worker.bridge import EngineBridge
+        from worker.engine import LLMEngine, SamplingParams
+        if __name__ == "__main__":
+            bridge = EngineBridge(partial(LLMEngine, {str(llama_dir)!r}, num_kv_blocks=64)).start()
+            bridge.submit("busy", [5, 6], SamplingParams(max_tokens=1000, temperature=0, ignore_eos=True))
+            print(bridge.process.pid, flush=True)
+            time.sleep(600)
+    """)
+    path = tmp_path / "parent.py"
+    path.write_text(script)
+    parent = subprocess.Popen([sys.executable, str(path)], stdout=subprocess.PIPE, text=True,
+                              cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    try:
+        engine_pid = int(parent.stdout.readline())
+        parent.kill()
+        parent.wait(timeout=10)
+        deadline = time.time() + 30
+        while time.time() < deadline and _alive(engine_pid):
+            time.sleep(0.1)
+        assert not _alive(engine_pid)
+    finally:
+        parent.kill()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"  # a zombie has exited; only its parent's init has not reaped it
+    except FileNotFoundError:
+        return False

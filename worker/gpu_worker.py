@@ -27,8 +27,9 @@ from sqlalchemy.orm import Session, sessionmaker
 from api import models, store
 from api.schemas import BODIES, response_body
 from api.webhooks import publish_deliveries
-from worker.bridge import EfficiencyWindow, EngineBridge
+from worker.bridge import EngineBridge
 from worker.engine import LLMEngine, RequestOutput, RequestRejected
+from worker.engine_core import EfficiencyWindow
 from worker.metrics import EngineMetrics
 from worker.reconcile import STALE_SECONDS, reconcile_once
 from worker.translate import PromptError, Responses, engine_inputs
@@ -75,8 +76,8 @@ class GpuWorker:
     def start(self) -> GpuWorker:
         store.gpu_hour_cost()  # a bad SLUICE_GPU_HOUR_COST fails at start, not at the first result
         self.bridge.start()
-        self.engine = self.bridge.engine
-        self.responses = Responses(self.engine)
+        self.processor = self.bridge.processor
+        self.responses = Responses(self.processor.tokenizer)
         if self.settings.metrics_port is not None:
             self.metrics.serve(self.settings.metrics_port)
         self._heartbeat("running")
@@ -105,7 +106,7 @@ class GpuWorker:
         for c in claimed:
             try:
                 body = BODIES[c.url].model_validate(c.body)
-                token_ids, params = engine_inputs(self.engine, c.url, body)
+                token_ids, params = engine_inputs(self.processor, c.url, body)
             except (PromptError, ValidationError) as e:
                 results.append(_error(c, getattr(e, "code", "invalid_value"), str(e), getattr(e, "param", "body")))
                 continue

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-from worker.engine import LLMEngine, RequestOutput
+from worker.engine_core import StepStats
 
 LATENCY_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600)
 STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
@@ -33,18 +33,16 @@ class EngineMetrics:
     def serve(self, port: int) -> None:
         start_http_server(port, registry=self.registry)
 
-    def observe(self, engine: LLMEngine, outputs: list[RequestOutput], delta: dict[str, int]) -> None:
-        """After each step, on the engine thread, with the step's change of the engine's counters."""
-        m, bm = self.model, engine.block_manager
-        self.running.labels(m).set(len(engine.scheduler.running))
-        self.waiting.labels(m).set(engine.scheduler.num_waiting)
-        self.kv_usage.labels(m).set(bm.num_used_blocks / bm.num_blocks)
-        self.generation_tokens.labels(m).inc(len(outputs))  # every output gained exactly one token this step
-        self.prompt_tokens.labels(m).inc(delta["num_prefill_tokens"])
-        self.preemptions.labels(m).inc(delta["num_preemptions"])
-        if engine.last_step is not None:
-            self.step.labels(m).observe(engine.last_step.seconds)
-        for out in outputs:
-            if out.finished and out.metrics.first_token_time is not None:
-                self.ttft.labels(m).observe(out.metrics.first_token_time - out.metrics.arrival_time)
-                self.e2e.labels(m).observe(out.metrics.finish_time - out.metrics.arrival_time)
+    def observe(self, step: StepStats) -> None:
+        """After each engine step, with what the engine process reported of it."""
+        m = self.model
+        self.running.labels(m).set(step.num_running)
+        self.waiting.labels(m).set(step.num_waiting)
+        self.kv_usage.labels(m).set(step.kv_blocks_used / step.kv_blocks_total)
+        self.generation_tokens.labels(m).inc(step.generated_tokens)
+        self.prompt_tokens.labels(m).inc(step.prefill_tokens)
+        self.preemptions.labels(m).inc(step.preemptions)
+        self.step.labels(m).observe(step.seconds)
+        for ttft, e2e in step.latencies:
+            self.ttft.labels(m).observe(ttft)
+            self.e2e.labels(m).observe(e2e)

@@ -81,7 +81,7 @@ class BatchRun:
         self.output, self.errors, self.bar = output, errors, bar
         self.pending: dict[str, BatchRequest] = {}
         self.summary = RunSummary()
-        self.responses = Responses(engine)
+        self.responses = Responses(engine.tokenizer)
 
     def run(self, input_path: Path, done: set[str]) -> RunSummary:
         requests = self._requests(input_path, done)
@@ -118,7 +118,7 @@ class BatchRun:
 
     def _submit(self, request: BatchRequest) -> None:
         try:
-            token_ids, params = engine_inputs(self.engine, request.url, request.body)
+            token_ids, params = engine_inputs(self.engine.processor, request.url, request.body)
         except PromptError as e:
             self._fail(line_error(request.line, e.code, str(e), request.custom_id, e.param))
             return

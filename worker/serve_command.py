@@ -15,6 +15,7 @@ import logging
 import os
 import sys
 import threading
+from functools import partial
 from pathlib import Path
 
 from worker.cli import add_engine_args, load_engine, served_model_name
@@ -55,7 +56,7 @@ def serve_command(args: argparse.Namespace) -> int:
     sessions = db.session_factory(database)
     key = local_key(sessions, args.data_dir / KEY_FILE)
     name = served_model_name(args)
-    worker = GpuWorker(lambda: load_engine(args), WorkerSettings(name, args.model), sessions, celery).start()
+    worker = GpuWorker(partial(load_engine, args), WorkerSettings(name, args.model), sessions, celery).start()
     api = create_app(sessions, celery, dataclasses.replace(Settings.from_env(), models=(name,)))
     server = uvicorn.Server(uvicorn.Config(api, host=args.host, port=args.port, log_level=args.loglevel.lower()))
     threading.Thread(target=server.run, name="api", daemon=True).start()

@@ -5,9 +5,10 @@ from __future__ import annotations
 import time
 
 from jinja2 import TemplateError
+from transformers import PreTrainedTokenizerBase
 
 from api.schemas import CHAT_URL, PROMPT_FIELDS, Body, Generation, TokenLogprob, chat_messages, sampling_args
-from worker.engine import LLMEngine, RequestOutput, RequestRejected, SamplingParams
+from worker.engine import InputProcessor, RequestOutput, RequestRejected, SamplingParams
 
 
 class PromptError(ValueError):
@@ -18,21 +19,21 @@ class PromptError(ValueError):
         self.code, self.param = code, param
 
 
-def engine_inputs(engine: LLMEngine, url: str, body: Body) -> tuple[list[int], SamplingParams]:
+def engine_inputs(processor: InputProcessor, url: str, body: Body) -> tuple[list[int], SamplingParams]:
     """The prompt's token ids (chat template applied) and sampling parameters; PromptError if it cannot run."""
     if url == CHAT_URL:
         try:
-            token_ids = engine.encode_chat(chat_messages(body))
+            token_ids = processor.encode_chat(chat_messages(body))
         except (TemplateError, ValueError) as e:
             raise PromptError("invalid_prompt", f"the chat template failed: {e}", "body.messages") from None
     else:
-        token_ids = engine.encode(body.prompt)
+        token_ids = processor.encode(body.prompt)
     try:
-        params = SamplingParams(**sampling_args(body, engine.max_request_tokens - len(token_ids)))
+        params = SamplingParams(**sampling_args(body, processor.max_request_tokens - len(token_ids)))
     except ValueError as e:  # the schema's limits match SamplingParams'; never lose the batch if they drift
         raise PromptError("invalid_value", str(e), "body") from None
     try:
-        engine.check(token_ids, params)
+        processor.check(token_ids, params)
     except RequestRejected as e:
         raise PromptError(e.code, str(e), PROMPT_FIELDS[url]) from None
     return token_ids, params
@@ -41,8 +42,8 @@ def engine_inputs(engine: LLMEngine, url: str, body: Body) -> tuple[list[int], S
 class Responses:
     """Builds response generations from engine outputs, caching each token's text for logprobs."""
 
-    def __init__(self, engine: LLMEngine):
-        self.tokenizer = engine.tokenizer
+    def __init__(self, tokenizer: PreTrainedTokenizerBase):
+        self.tokenizer = tokenizer
         self.token_text: dict[int, str] = {}
 
     def generation(self, out: RequestOutput) -> Generation:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+from functools import partial
 
 from worker.cli import UsageError, add_engine_args, load_engine, served_model_name
 
@@ -46,7 +47,7 @@ def worker_command(args: argparse.Namespace) -> int:
     settings = WorkerSettings(name, args.model, lease_seconds=args.lease_seconds,
                               reconcile_seconds=args.reconcile_seconds, stale_seconds=args.stale_seconds,
                               shutdown_grace_seconds=args.shutdown_grace_seconds, metrics_port=args.metrics_port)
-    worker = GpuWorker(lambda: load_engine(args), settings, db.session_factory(db.make_engine()), app)
+    worker = GpuWorker(partial(load_engine, args), settings, db.session_factory(db.make_engine()), app)
     try:
         worker.start()  # builds the engine on its own thread; a bad model is load_engine's UsageError
     except SQLAlchemyError as e:
@@ -65,7 +66,7 @@ def serve_queues(worker, app, queues: list[str], loglevel: str, prefix: str, con
 
     gpu_worker.install(worker)
     worker_shutting_down.connect(lambda **_: worker.begin_shutdown(), weak=False)
-    concurrency = concurrency or 2 * -(-worker.engine.config.max_num_seqs // chunk_size())  # fill it twice over
+    concurrency = concurrency or 2 * -(-worker.processor.config.max_num_seqs // chunk_size())  # fill it twice over
     try:
         app.worker_main(["worker", "-Q", ",".join(queues), "-P", "threads", "-c", str(concurrency),
                          "-n", f"{prefix}-{worker.id}@%h", "--loglevel", loglevel, "--without-gossip",

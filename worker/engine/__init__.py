@@ -2,6 +2,7 @@
 
 from worker.engine.llm import LLM, LLMEngine, RequestRejected
 from worker.engine.outputs import RequestOutput
+from worker.engine.processor import InputProcessor
 from worker.engine.sampling_params import SamplingParams
 
-__all__ = ["LLM", "LLMEngine", "RequestOutput", "RequestRejected", "SamplingParams"]
+__all__ = ["LLM", "InputProcessor", "LLMEngine", "RequestOutput", "RequestRejected", "SamplingParams"]

@@ -9,19 +9,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoTokenizer
 
 from worker.engine import detokenizer
 from worker.engine.block_manager import BlockManager
 from worker.engine.config import EngineConfig, ModelConfig
 from worker.engine.model_runner import ModelRunner
 from worker.engine.outputs import RequestOutput
+from worker.engine.processor import InputProcessor, Prompt, RequestRejected, load_tokenizer, max_model_len
 from worker.engine.sampler import sample
 from worker.engine.sampling_params import SamplingParams
 from worker.engine.scheduler import Scheduler
 from worker.engine.sequence import Sequence, TokenLogprobs
-
-Prompt = str | list[int]
 
 
 @dataclass
@@ -32,14 +30,6 @@ class StepRecord:
     num_tokens: int
     seconds: float
     kv_blocks_used: int
-
-
-class RequestRejected(ValueError):
-    """A request the engine can never run; others are unaffected. `code` says why, in OpenAI's terms."""
-
-    def __init__(self, message: str, code: str = "invalid_prompt"):
-        super().__init__(message)
-        self.code = code
 
 
 def resolve_model(model: str) -> Path:
@@ -53,11 +43,13 @@ def resolve_model(model: str) -> Path:
 class LLMEngine:
     def __init__(self, model: str, **kwargs):
         self.config = EngineConfig(model=model, **kwargs)
-        path = resolve_model(model)
+        self.path = path = resolve_model(model)
         self.model_config = ModelConfig.from_dir(path)
-        self.tokenizer = AutoTokenizer.from_pretrained(str(path))
-        self.max_model_len = self.config.max_model_len or self.model_config.max_position_embeddings
+        self.tokenizer = load_tokenizer(path)
+        self.max_model_len = max_model_len(self.config, self.model_config)
         self.runner = ModelRunner(self.config, self.model_config, str(path), self.max_model_len)
+        self.processor = InputProcessor(self.tokenizer, self.config, self.model_config, self.max_model_len,
+                                        self.runner.num_blocks)
         self.block_manager = BlockManager(self.runner.num_blocks, self.config.block_size,
                                           self.config.enable_prefix_caching)
         self.scheduler = Scheduler(self.config, self.block_manager)
@@ -83,11 +75,10 @@ class LLMEngine:
         return ids
 
     def encode(self, prompt: Prompt) -> list[int]:
-        return self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        return self.processor.encode(prompt)
 
     def encode_chat(self, messages: list[dict]) -> list[int]:
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return self.processor.encode_chat(messages)
 
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
                     priority: int = 0, arrival_time: float | None = None) -> str:
@@ -108,25 +99,11 @@ class LLMEngine:
         return request_id
 
     def check(self, token_ids: list[int], params: SamplingParams) -> None:
-        if not token_ids:
-            raise RequestRejected("the prompt is empty")
-        vocab = self.model_config.vocab_size
-        if any(not 0 <= t < vocab for t in token_ids):
-            raise RequestRejected(f"prompt token ids must be in [0, {vocab})")
-        total = len(token_ids) + params.max_tokens
-        if total > self.max_model_len:
-            raise RequestRejected(
-                f"prompt ({len(token_ids)} tokens) plus max_tokens ({params.max_tokens}) is {total} tokens, "
-                f"more than max_model_len ({self.max_model_len})", "context_length_exceeded")
-        if self.block_manager.blocks_needed(total) > self.block_manager.num_blocks:
-            raise RequestRejected(
-                f"prompt plus max_tokens ({total} tokens) needs {self.block_manager.blocks_needed(total)} KV blocks; "
-                f"the cache has {self.block_manager.num_blocks}", "context_length_exceeded")
+        self.processor.check(token_ids, params)
 
     @property
     def max_request_tokens(self) -> int:
-        """The most tokens (prompt plus max_tokens) one request may have here: the model's or the cache's limit."""
-        return min(self.max_model_len, self.block_manager.num_blocks * self.block_manager.block_size)
+        return self.processor.max_request_tokens
 
     def prompt_logits(self, prompt: Prompt) -> torch.Tensor:
         """Logits [len(prompt), vocab] (float32) at every prompt position: scoring and quality checks.

@@ -1,0 +1,75 @@
+"""Requests in, before the model: tokenization, the chat template and the limits a request must fit (vLLM V1's
+Processor). The engine owns one; a GPU worker's task threads use their own, in the worker process, while the model
+lives in the engine's process."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from worker.engine.config import EngineConfig, ModelConfig
+from worker.engine.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+
+
+class RequestRejected(ValueError):
+    """A request the engine can never run; others are unaffected. `code` says why, in OpenAI's terms."""
+
+    def __init__(self, message: str, code: str = "invalid_prompt"):
+        super().__init__(message)
+        self.code = code
+
+
+def load_tokenizer(path: Path) -> PreTrainedTokenizerBase:
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+@dataclass
+class InputProcessor:
+    tokenizer: PreTrainedTokenizerBase
+    config: EngineConfig
+    model_config: ModelConfig
+    max_model_len: int
+    num_kv_blocks: int
+
+    @classmethod
+    def load(cls, path: Path, config: EngineConfig, num_kv_blocks: int) -> InputProcessor:
+        model_config = ModelConfig.from_dir(path)
+        return cls(load_tokenizer(path), config, model_config, max_model_len(config, model_config), num_kv_blocks)
+
+    def encode(self, prompt: Prompt) -> list[int]:
+        return self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    @property
+    def max_request_tokens(self) -> int:
+        """The most tokens (prompt plus max_tokens) one request may have here: the model's or the cache's limit."""
+        return min(self.max_model_len, self.num_kv_blocks * self.config.block_size)
+
+    def check(self, token_ids: list[int], params: SamplingParams) -> None:
+        """Raise RequestRejected, naming the limit, if the request could never run."""
+        if not token_ids:
+            raise RequestRejected("the prompt is empty")
+        vocab = self.model_config.vocab_size
+        if any(not 0 <= t < vocab for t in token_ids):
+            raise RequestRejected(f"prompt token ids must be in [0, {vocab})")
+        total = len(token_ids) + params.max_tokens
+        if total > self.max_model_len:
+            raise RequestRejected(
+                f"prompt ({len(token_ids)} tokens) plus max_tokens ({params.max_tokens}) is {total} tokens, "
+                f"more than max_model_len ({self.max_model_len})", "context_length_exceeded")
+        blocks = -(-total // self.config.block_size)
+        if blocks > self.num_kv_blocks:
+            raise RequestRejected(
+                f"prompt plus max_tokens ({total} tokens) needs {blocks} KV blocks; the cache has "
+                f"{self.num_kv_blocks}", "context_length_exceeded")
+
+
+def max_model_len(config: EngineConfig, model_config: ModelConfig) -> int:
+    return config.max_model_len or model_config.max_position_embeddings

@@ -1,0 +1,247 @@
+"""The engine's own process (vLLM V1's EngineCore): builds the model, steps it, and reports what happened.
+
+A GPU worker's task threads tokenize, talk to Postgres and Celery, and build response bodies; sharing one process
+(one GIL) with them made every engine step about 3x slower (bench/queue_overhead.py). Here the engine has its
+process to itself. It reads requests and aborts from one pipe and writes a Report per step to another; it exits
+when the worker asks it to, or when the request pipe closes because the worker died.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+
+from worker.engine import LLMEngine, RequestOutput, RequestRejected, SamplingParams
+from worker.engine.config import EngineConfig
+
+IDLE_POLL_SECONDS = 0.05
+
+
+@dataclass
+class Submit:
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+    priority: int = 0
+    arrival_time: float | None = None
+
+
+@dataclass
+class Abort:
+    request_id: str
+
+
+@dataclass
+class Stop:
+    """Abort everything, send the last report, exit."""
+
+
+@dataclass
+class Ready:
+    """The engine is built: what the worker needs to prepare requests without the model."""
+
+    path: str
+    config: EngineConfig
+    num_kv_blocks: int
+
+
+@dataclass
+class Failed:
+    """Building the engine, or a step, raised this."""
+
+    error: BaseException
+
+
+@dataclass
+class EfficiencyWindow:
+    """Batch efficiency over [start, end): what the engine did and how full it ran."""
+
+    start: float
+    end: float = 0.0
+    steps: int = 0
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    running_sum: int = 0
+    max_running: int = 0
+    max_num_seqs: int = 0
+    token_budget_sum: float = 0.0
+    kv_use_sum: float = 0.0
+    preemptions: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    busy_seconds: float = 0.0
+
+    @property
+    def mean_running(self) -> float:
+        return self.running_sum / self.steps if self.steps else 0.0
+
+    @property
+    def occupancy(self) -> float:
+        return self.mean_running / self.max_num_seqs if self.max_num_seqs else 0.0
+
+    @property
+    def token_budget_use(self) -> float:
+        return self.token_budget_sum / self.steps if self.steps else 0.0
+
+    @property
+    def kv_cache_use(self) -> float:
+        return self.kv_use_sum / self.steps if self.steps else 0.0
+
+    @property
+    def idle_seconds(self) -> float:
+        return max(self.end - self.start - self.busy_seconds, 0.0)
+
+
+@dataclass
+class StepStats:
+    """One step, for the live metrics: the engine's state after it and the step's own counts."""
+
+    seconds: float
+    num_running: int
+    num_waiting: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    generated_tokens: int
+    prefill_tokens: int
+    preemptions: int
+    latencies: list[tuple[float, float]] = field(default_factory=list)  # finished requests' (TTFT, end to end)
+
+
+@dataclass
+class Report:
+    finished: list[RequestOutput] = field(default_factory=list)
+    rejected: list[tuple[str, RequestRejected]] = field(default_factory=list)
+    cancelled: list[str] = field(default_factory=list)
+    step: StepStats | None = None
+    window: EfficiencyWindow | None = None
+    final_stats: dict | None = None  # set on the last report: the engine has stopped, nothing follows
+
+    def __bool__(self) -> bool:
+        return bool(self.finished or self.rejected or self.cancelled or self.step or self.window
+                    or self.final_stats is not None)
+
+
+def run_engine(build: Callable[[], LLMEngine], requests: Connection, reports: Connection,
+               window_seconds: float) -> None:
+    """The process's target."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the worker decides
+    try:
+        engine = build()
+    except BaseException as e:  # noqa: BLE001 - whatever it is, the worker must hear of it
+        _send_failure(reports, e)
+        return
+    reports.send(Ready(str(engine.path), engine.config, engine.block_manager.num_blocks))
+    EngineCore(engine, requests, reports, window_seconds).loop()
+
+
+def _send_failure(reports: Connection, error: BaseException) -> None:
+    try:
+        reports.send(Failed(error))
+    except Exception:  # an exception that does not pickle still gets its message across
+        reports.send(Failed(RuntimeError(f"{type(error).__name__}: {error}")))
+
+
+class EngineCore:
+    def __init__(self, engine: LLMEngine, requests: Connection, reports: Connection, window_seconds: float):
+        self.engine, self.requests, self.reports = engine, requests, reports
+        self.window_seconds = window_seconds
+        self.window = self._new_window(time.time())
+        self.report = Report()
+        self.stopping = False
+
+    def loop(self) -> None:
+        try:
+            while not self.stopping:
+                self._read(wait=not self.engine.has_unfinished_requests())
+                if self.engine.has_unfinished_requests() and not self.stopping:
+                    self._step()
+                self._close_window()
+                self._flush()
+        except (EOFError, BrokenPipeError, ConnectionResetError):
+            return  # the worker is gone: nobody is left to report to
+        except BaseException as e:  # noqa: BLE001 - a broken engine must not leave the worker waiting
+            _send_failure(self.reports, e)
+            return
+        self._stop()
+
+    def _read(self, wait: bool) -> None:
+        if not self.requests.poll(IDLE_POLL_SECONDS if wait else 0):
+            return
+        while True:
+            self._handle(self.requests.recv())  # EOFError here: the worker died
+            if self.stopping or not self.requests.poll(0):
+                return
+
+    def _handle(self, message) -> None:
+        if isinstance(message, Submit):
+            try:
+                self.engine.add_request(message.prompt, message.params, message.request_id, message.priority,
+                                        message.arrival_time)
+            except (RequestRejected, ValueError) as e:
+                error = e if isinstance(e, RequestRejected) else RequestRejected(str(e))
+                self.report.rejected.append((message.request_id, error))
+        elif isinstance(message, Abort):
+            if self.engine.abort(message.request_id):
+                self.report.cancelled.append(message.request_id)
+        elif isinstance(message, Stop):
+            self.stopping = True
+
+    def _step(self) -> None:
+        engine = self.engine
+        before = dict(engine.counters)
+        outputs = engine.step()
+        delta = {k: v - before[k] for k, v in engine.counters.items()}
+        finished = [out for out in outputs if out.finished]
+        self.report.finished += finished
+        record = engine.last_step
+        if record is None:
+            return
+        self._account(delta)
+        bm = engine.block_manager
+        self.report.step = StepStats(
+            record.seconds, len(engine.scheduler.running), engine.scheduler.num_waiting, bm.num_used_blocks,
+            bm.num_blocks, len(outputs), delta["num_prefill_tokens"], delta["num_preemptions"],
+            [(o.metrics.first_token_time - o.metrics.arrival_time, o.metrics.finish_time - o.metrics.arrival_time)
+             for o in finished if o.metrics.first_token_time is not None])
+
+    def _account(self, delta: dict[str, int]) -> None:
+        w, record, config = self.window, self.engine.last_step, self.engine.config
+        w.steps += 1
+        w.prefill_tokens += delta["num_prefill_tokens"]
+        w.decode_tokens += delta["num_decode_tokens"]
+        w.preemptions += delta["num_preemptions"]
+        w.prefix_cache_queries += delta["prefix_cache_queries"]
+        w.prefix_cache_hits += delta["prefix_cache_hits"]
+        w.running_sum += record.num_seqs
+        w.max_running = max(w.max_running, record.num_seqs)
+        w.token_budget_sum += record.num_tokens / config.max_num_batched_tokens
+        w.kv_use_sum += record.kv_blocks_used / self.engine.block_manager.num_blocks
+        w.busy_seconds += record.seconds
+
+    def _new_window(self, start: float) -> EfficiencyWindow:
+        return EfficiencyWindow(start=start, max_num_seqs=self.engine.config.max_num_seqs)
+
+    def _close_window(self, force: bool = False) -> None:
+        now = time.time()
+        if not force and now - self.window.start < self.window_seconds:
+            return
+        window, self.window = self.window, self._new_window(now)
+        window.end = now
+        if window.steps or not force:
+            self.report.window = window
+
+    def _flush(self) -> None:
+        if self.report:
+            self.reports.send(self.report)
+            self.report = Report()
+
+    def _stop(self) -> None:
+        for request_id in list(self.engine.requests):
+            self.engine.abort(request_id)
+            self.report.cancelled.append(request_id)
+        self._close_window(force=True)
+        self.report.final_stats = self.engine.stats()
+        self._flush()
