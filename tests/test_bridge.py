@@ -15,7 +15,7 @@ from functools import partial
 
 import pytest
 
-from worker.bridge import EngineBridge
+from worker.bridge import EngineBridge, default_engine_threads
 from worker.engine import LLM, LLMEngine, RequestRejected, SamplingParams
 from worker.engine.config import ModelError
 
@@ -115,7 +115,7 @@ def test_the_engine_process_exits_when_its_worker_is_killed(llama_dir, tmp_path)
     script = textwrap.dedent(f"""
         import sys, time
         from functools import partial
-        from worker.bridge import EngineBridge
+        from worker.bridge import EngineBridge, default_engine_threads
         from worker.engine import LLMEngine, SamplingParams
         if __name__ == "__main__":
             bridge = EngineBridge(partial(LLMEngine, {str(llama_dir)!r}, num_kv_blocks=64)).start()
@@ -145,3 +145,10 @@ def _alive(pid: int) -> bool:
             return f.read().split()[2] != "Z"  # a zombie has exited; only its parent's init has not reaped it
     except FileNotFoundError:
         return False
+
+
+def test_the_engine_leaves_the_worker_a_cpu(monkeypatch):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    assert default_engine_threads() == 3
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
+    assert default_engine_threads() == 1

@@ -10,6 +10,7 @@ is built, and stepped, on the one thread of a fresh process.
 from __future__ import annotations
 
 import multiprocessing
+import os
 import threading
 from collections.abc import Callable
 from concurrent.futures import CancelledError, Future
@@ -19,12 +20,21 @@ from worker.engine import InputProcessor, LLMEngine, RequestRejected, SamplingPa
 from worker.engine_core import Abort, EfficiencyWindow, Failed, Report, StepStats, Stop, Submit, run_engine
 
 
+def default_engine_threads() -> int:
+    """Every CPU this process may use but one, which the worker's own threads, database and broker clients need: a
+    CPU engine given them all has its parallel regions stalled whenever the worker runs (on 2 cores, 1.3x slower
+    service throughput on the demo model, bench/queue_overhead.py). A CUDA engine barely uses them."""
+    return max(1, len(os.sched_getaffinity(0)) - 1)
+
+
 class EngineBridge:
     def __init__(self, build: Callable[[], LLMEngine], window_seconds: float = 10.0,
                  on_window: Callable[[EfficiencyWindow], None] | None = None,
-                 on_step: Callable[[StepStats], None] | None = None):
-        """`build` makes the engine in the engine process, so it must pickle (a function, or a partial of one)."""
+                 on_step: Callable[[StepStats], None] | None = None, threads: int | None = None):
+        """`build` makes the engine in the engine process, so it must pickle (a function, or a partial of one);
+        `threads` is the engine's PyTorch thread count (default_engine_threads())."""
         self.build, self.window_seconds = build, window_seconds
+        self.threads = threads or default_engine_threads()
         self.on_window, self.on_step = on_window, on_step
         self.processor: InputProcessor | None = None
         self.error: BaseException | None = None
@@ -40,7 +50,7 @@ class EngineBridge:
         requests_in, self._requests = ctx.Pipe(duplex=False)
         self._reports, reports_out = ctx.Pipe(duplex=False)
         self.process = ctx.Process(target=run_engine, name="sluice-engine", daemon=True,
-                                   args=(self.build, requests_in, reports_out, self.window_seconds))
+                                   args=(self.build, requests_in, reports_out, self.window_seconds, self.threads))
         self.process.start()
         requests_in.close()  # only the engine holds these ends: either side sees EOF when the other dies
         reports_out.close()
@@ -60,16 +70,23 @@ class EngineBridge:
     def submit(self, request_id: str, prompt: list[int], params: SamplingParams, priority: int = 0,
                arrival_time: float | None = None) -> Future:
         """Queue a request; the future gets its finished RequestOutput, or RequestRejected."""
-        future: Future = Future()
+        return self.submit_many([Submit(request_id, prompt, params, priority, arrival_time)])[0]
+
+    def submit_many(self, requests: list[Submit]) -> list[Future]:
+        """Queue requests in one message to the engine (a chunk's worth: one pipe write, not one per request)."""
+        futures, accepted = [Future() for _ in requests], []
         with self._lock:
-            if self.error is not None or self._stopped:
-                future.set_exception(RuntimeError(f"the engine is not running ({self.error!r})"))
-            elif request_id in self._futures:
-                future.set_exception(RequestRejected(f"request_id {request_id!r} is already in the engine"))
-            else:
-                self._futures[request_id] = future
-                self._send(Submit(request_id, prompt, params, priority, arrival_time))
-        return future
+            for request, future in zip(requests, futures):
+                if self.error is not None or self._stopped:
+                    future.set_exception(RuntimeError(f"the engine is not running ({self.error!r})"))
+                elif request.request_id in self._futures:
+                    future.set_exception(RequestRejected(f"request_id {request.request_id!r} is already in the engine"))
+                else:
+                    self._futures[request.request_id] = future
+                    accepted.append(request)
+            if accepted:
+                self._send(accepted)
+        return futures
 
     def abort(self, request_id: str) -> None:
         with self._lock:

@@ -14,6 +14,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 
+import torch
+
 from worker.engine import LLMEngine, RequestOutput, RequestRejected, SamplingParams
 from worker.engine.config import EngineConfig
 
@@ -125,9 +127,10 @@ class Report:
 
 
 def run_engine(build: Callable[[], LLMEngine], requests: Connection, reports: Connection,
-               window_seconds: float) -> None:
-    """The process's target."""
+               window_seconds: float, threads: int) -> None:
+    """The process's target; `threads` is PyTorch's intra-op thread count here."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the worker decides
+    torch.set_num_threads(threads)
     try:
         engine = build()
     except BaseException as e:  # noqa: BLE001 - whatever it is, the worker must hear of it
@@ -176,18 +179,22 @@ class EngineCore:
                 return
 
     def _handle(self, message) -> None:
-        if isinstance(message, Submit):
-            try:
-                self.engine.add_request(message.prompt, message.params, message.request_id, message.priority,
-                                        message.arrival_time)
-            except (RequestRejected, ValueError) as e:
-                error = e if isinstance(e, RequestRejected) else RequestRejected(str(e))
-                self.report.rejected.append((message.request_id, error))
+        if isinstance(message, list):  # of Submit
+            for submit in message:
+                self._add(submit)
         elif isinstance(message, Abort):
             if self.engine.abort(message.request_id):
                 self.report.cancelled.append(message.request_id)
         elif isinstance(message, Stop):
             self.stopping = True
+
+    def _add(self, submit: Submit) -> None:
+        try:
+            self.engine.add_request(submit.prompt, submit.params, submit.request_id, submit.priority,
+                                    submit.arrival_time)
+        except (RequestRejected, ValueError) as e:
+            self.report.rejected.append((submit.request_id, e if isinstance(e, RequestRejected)
+                                         else RequestRejected(str(e))))
 
     def _step(self) -> None:
         engine = self.engine

@@ -29,7 +29,7 @@ from api.schemas import BODIES, response_body
 from api.webhooks import publish_deliveries
 from worker.bridge import EngineBridge
 from worker.engine import LLMEngine, RequestOutput, RequestRejected
-from worker.engine_core import EfficiencyWindow
+from worker.engine_core import EfficiencyWindow, Submit
 from worker.metrics import EngineMetrics
 from worker.reconcile import STALE_SECONDS, reconcile_once
 from worker.translate import PromptError, Responses, engine_inputs
@@ -50,6 +50,7 @@ class WorkerSettings:
     shutdown_grace_seconds: float = 30.0
     window_seconds: float = 10.0
     metrics_port: int | None = None
+    engine_threads: int | None = None  # PyTorch threads of the engine process (default: all CPUs but one)
 
 
 @dataclass
@@ -66,7 +67,7 @@ class GpuWorker:
         self.windows: queue.Queue[EfficiencyWindow] = queue.Queue()
         self.metrics = EngineMetrics(settings.served_model_name)
         self.bridge = EngineBridge(build_engine, settings.window_seconds, on_window=self.windows.put,
-                                   on_step=self.metrics.observe)
+                                   on_step=self.metrics.observe, threads=settings.engine_threads)
         self.in_flight: set[int] = set()
         self.lock = threading.Lock()
         self.stopping = threading.Event()
@@ -102,7 +103,7 @@ class GpuWorker:
         return ChunkOutcome(finished, released)
 
     def _run(self, claimed: list[store.Claimed]) -> tuple[list[store.RequestResult], list[int]]:
-        results, waiting = [], []
+        results, runnable, submits = [], [], []
         for c in claimed:
             try:
                 body = BODIES[c.url].model_validate(c.body)
@@ -110,9 +111,10 @@ class GpuWorker:
             except (PromptError, ValidationError) as e:
                 results.append(_error(c, getattr(e, "code", "invalid_value"), str(e), getattr(e, "param", "body")))
                 continue
-            waiting.append((c, self.bridge.submit(str(c.id), token_ids, params, c.priority, c.created_at)))
+            runnable.append(c)
+            submits.append(Submit(str(c.id), token_ids, params, c.priority, c.created_at))
         aborted = []
-        for c, future in waiting:
+        for c, future in zip(runnable, self.bridge.submit_many(submits)):
             try:
                 out = future.result()
             except RequestRejected as e:

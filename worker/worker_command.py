@@ -30,6 +30,8 @@ def add_worker_parser(commands) -> None:
                      help="on SIGTERM, how long running chunks may take before their requests are given back")
     ops.add_argument("--metrics-port", type=int, metavar="PORT",
                      help="serve the engine's live Prometheus metrics on this port (sluice:engine_*)")
+    ops.add_argument("--engine-threads", type=int, metavar="N",
+                     help="PyTorch threads of the engine process (default: all CPUs but one, left to the worker)")
     ops.add_argument("--loglevel", default="INFO")
     parser.set_defaults(handler=worker_command)
 
@@ -42,11 +44,14 @@ def worker_command(args: argparse.Namespace) -> int:
     from worker.celery_app import app
     from worker.gpu_worker import GpuWorker, WorkerSettings
 
+    if args.engine_threads is not None and args.engine_threads < 1:
+        raise UsageError(f"--engine-threads must be at least 1, got {args.engine_threads}")
     logging.basicConfig(level=args.loglevel.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     name = served_model_name(args)
     settings = WorkerSettings(name, args.model, lease_seconds=args.lease_seconds,
                               reconcile_seconds=args.reconcile_seconds, stale_seconds=args.stale_seconds,
-                              shutdown_grace_seconds=args.shutdown_grace_seconds, metrics_port=args.metrics_port)
+                              shutdown_grace_seconds=args.shutdown_grace_seconds, metrics_port=args.metrics_port,
+                              engine_threads=args.engine_threads)
     worker = GpuWorker(partial(load_engine, args), settings, db.session_factory(db.make_engine()), app)
     try:
         worker.start()  # builds the engine on its own thread; a bad model is load_engine's UsageError

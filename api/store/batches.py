@@ -125,6 +125,7 @@ def create_batch(session: Session, tenant_id: int, input_file_id: str, *, endpoi
     queued = [request_id for request_id, c in zip(ids, checked) if isinstance(c, BatchRequest)]
     if not queued:
         settle(session, batch.id, now)
+        session.refresh(batch)
         return batch, None
     return batch, Work(batch.model, priority, queued)
 

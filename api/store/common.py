@@ -5,7 +5,7 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
-from sqlalchemy import Select, and_, or_, select, update
+from sqlalchemy import Select, and_, bindparam, or_, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
@@ -51,6 +51,14 @@ def insert(session: Session, model):
     return (postgresql if dialect == "postgresql" else sqlite).insert(model)
 
 
+# A worker's hot path runs the same few statements for every chunk. Built once at import with bound parameters,
+# SQLAlchemy finds their compiled form by identity; built per call, each had its expression tree constructed, its
+# cache key derived and looked up again: most of the store's Python time per request (bench/queue_overhead.py).
+IDS = bindparam("ids", expanding=True)
+NOW = bindparam("now")
+OWNER = bindparam("owner")
+
+
 def lock_batches(session: Session, batch_ids: Select | list[str]) -> list[str]:
     """Lock batch rows, in id order, before touching their requests' statuses.
 
@@ -61,6 +69,15 @@ def lock_batches(session: Session, batch_ids: Select | list[str]) -> list[str]:
     """
     rows = session.scalars(select(Batch.id).where(Batch.id.in_(batch_ids)).order_by(Batch.id).with_for_update())
     return list(rows)
+
+
+LOCK_BATCHES_OF = (select(Batch.id).where(Batch.id.in_(select(Request.batch_id).where(Request.id.in_(IDS))))
+                   .order_by(Batch.id).with_for_update())
+
+
+def lock_batches_of(session: Session, request_ids) -> list[str]:
+    """lock_batches() for the batches of these requests."""
+    return list(session.scalars(LOCK_BATCHES_OF, {"ids": list(request_ids)}))
 
 
 def update_requests():

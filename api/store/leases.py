@@ -12,15 +12,40 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import bindparam, select
+from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
 from api.models import Batch, Request, Result
-from api.store.common import batch_in, held_or_free, insert, lease_expired, lock_batches, update_requests
+from api.store.common import (
+    IDS,
+    NOW,
+    OWNER,
+    batch_in,
+    held_or_free,
+    lease_expired,
+    lock_batches_of,
+    update_requests,
+)
 from api.store.lifecycle import count_finished, settle
 from api.store.usage import cost
 
 ACCEPTING = ("in_progress", "cancelling")  # batches whose running requests may still finish
+EXPIRES = bindparam("expires")
+CLAIM = (update_requests()
+         .where(Request.id.in_(IDS), (Request.status == "queued") | lease_expired(NOW), batch_in("in_progress"))
+         .values(status="running", attempts=Request.attempts + 1, lease_owner=OWNER, lease_expires_at=EXPIRES)
+         .returning(Request.id, Request.batch_id, Request.custom_id, Request.line, Request.url, Request.body,
+                    Request.attempts, Request.created_at))
+BATCH_MODELS = select(Batch.id, Batch.model, Batch.priority).where(Batch.id.in_(bindparam("batch_ids", expanding=True)))
+RENEW = (update_requests()
+         .where(Request.id.in_(IDS), Request.status == "running", Request.lease_owner == OWNER, batch_in("in_progress"))
+         .values(lease_expires_at=EXPIRES).returning(Request.id))
+FINISH = (update_requests().where(Request.id.in_(IDS), held_or_free(OWNER, NOW), batch_in(*ACCEPTING))
+          .values(status=bindparam("new_status"), lease_owner=None, lease_expires_at=None)
+          .returning(Request.id, Request.batch_id))
+INSERT_RESULTS = {name: module.insert(Result.__table__).on_conflict_do_nothing()
+                  for name, module in (("postgresql", postgresql), ("sqlite", sqlite))}
 
 
 @dataclass
@@ -67,15 +92,9 @@ def claim(session: Session, request_ids: list[int], worker_id: str, lease_second
     """Take the requests that are queued, or running under an expired lease, in in_progress batches; the rest
     (finished, cancelled, or held by a live worker) are skipped. Commit before running them."""
     now = time.time()
-    rows = session.execute(
-        update_requests()
-        .where(Request.id.in_(request_ids), (Request.status == "queued") | lease_expired(now), batch_in("in_progress"))
-        .values(status="running", attempts=Request.attempts + 1, lease_owner=worker_id,
-                lease_expires_at=now + lease_seconds)
-        .returning(Request.id, Request.batch_id, Request.custom_id, Request.line, Request.url, Request.body,
-                   Request.attempts, Request.created_at)).all()
-    batches = {b.id: b for b in session.execute(select(Batch.id, Batch.model, Batch.priority)
-                                                .where(Batch.id.in_({r.batch_id for r in rows})))}
+    rows = session.execute(CLAIM, {"ids": list(request_ids), "now": now, "owner": worker_id,
+                                   "expires": now + lease_seconds}).all()
+    batches = {b.id: b for b in session.execute(BATCH_MODELS, {"batch_ids": list({r.batch_id for r in rows})})}
     return sorted((Claimed(r.id, r.batch_id, r.custom_id, r.line, r.url, r.body, batches[r.batch_id].model,
                            batches[r.batch_id].priority, r.attempts, r.created_at) for r in rows), key=lambda c: c.id)
 
@@ -83,18 +102,15 @@ def claim(session: Session, request_ids: list[int], worker_id: str, lease_second
 def renew_leases(session: Session, request_ids: list[int], worker_id: str, lease_seconds: float) -> list[int]:
     """Extend the worker's leases on requests it is running; returns those it should abort instead: their batch is
     cancelling or expired, or another worker took them over after the lease ran out."""
-    renewed = session.scalars(
-        update_requests()
-        .where(Request.id.in_(request_ids), Request.status == "running", Request.lease_owner == worker_id,
-               batch_in("in_progress"))
-        .values(lease_expires_at=time.time() + lease_seconds).returning(Request.id)).all()
+    renewed = session.scalars(RENEW, {"ids": list(request_ids), "owner": worker_id,
+                                      "expires": time.time() + lease_seconds}).all()
     return sorted(set(request_ids) - set(renewed))
 
 
 def release(session: Session, request_ids: list[int], worker_id: str) -> list[int]:
     """Give back requests the worker will not finish (graceful shutdown): running -> queued, or cancelled in a
     cancelling batch. Their message is still the one the worker holds: requeue it rather than ack it."""
-    lock_batches(session, select(Request.batch_id).where(Request.id.in_(request_ids)))
+    lock_batches_of(session, request_ids)
     mine = (Request.id.in_(request_ids), Request.status == "running", Request.lease_owner == worker_id)
     cleared = {"lease_owner": None, "lease_expires_at": None}
     queued = session.scalars(update_requests().where(*mine, batch_in("in_progress"))
@@ -104,7 +120,7 @@ def release(session: Session, request_ids: list[int], worker_id: str) -> list[in
 
 def mark_cancelled(session: Session, request_ids: list[int], worker_id: str) -> list[int]:
     """Record that the worker aborted these running requests of cancelling batches; the last one ends the batch."""
-    lock_batches(session, select(Request.batch_id).where(Request.id.in_(request_ids)))
+    lock_batches_of(session, request_ids)
     return _cancel_running(session, (Request.id.in_(request_ids), Request.status == "running",
                                      Request.lease_owner == worker_id))
 
@@ -131,19 +147,17 @@ def write_results(session: Session, results: list[RequestResult], worker_id: str
     if not by_id:
         return []
     now = time.time()
-    lock_batches(session, select(Request.batch_id).where(Request.id.in_(by_id)))
+    lock_batches_of(session, by_id)
     finished: list[tuple[int, str]] = []
     for status, ids in (("completed", [i for i, r in by_id.items() if r.error is None]),
                         ("failed", [i for i, r in by_id.items() if r.error is not None])):
         if ids:
-            finished += session.execute(
-                update_requests().where(Request.id.in_(ids), held_or_free(worker_id, now), batch_in(*ACCEPTING))
-                .values(status=status, lease_owner=None, lease_expires_at=None)
-                .returning(Request.id, Request.batch_id)).all()
+            finished += session.execute(FINISH, {"ids": ids, "owner": worker_id, "now": now,
+                                                 "new_status": status}).all()
     if not finished:
         return []
     # a Core insert of the table: the ORM's bulk-insert bookkeeping cost more than the statement on the hot path
-    session.execute(insert(session, Result.__table__).on_conflict_do_nothing(),
+    session.execute(INSERT_RESULTS[session.get_bind().dialect.name],
                     [_result_row(by_id[request_id], worker_id, now) for request_id, _ in finished])
     completed = Counter(b for i, b in finished if by_id[i].error is None)
     failed = Counter(b for i, b in finished if by_id[i].error is not None)

@@ -10,41 +10,43 @@ from __future__ import annotations
 
 import time
 
-from sqlalchemy import exists, select, update
+from sqlalchemy import bindparam, exists, select, update
 from sqlalchemy.orm import Session
 
 from api.models import Batch, Request, Result
-from api.store.common import Conflict, NotFound, error_result, insert, lease_expired, lock_batches
+from api.store.common import NOW, Conflict, NotFound, error_result, insert, lease_expired, lock_batches
 from api.store.webhooks import notify
 
 EXPIRED_MESSAGE = "this request could not be executed before the completion window expired"
 EXPIRED_STATUS_CODE = 408
 CANCELLABLE = ("validating", "in_progress")
-# built once: a fresh expression per call made SQLAlchemy derive its types' cache keys anew, 10% of a GPU worker's
-# Python time in bench/queue_overhead.py
-ALL_COUNTED = Batch.request_completed + Batch.request_failed >= Batch.request_total
+# run for every chunk a worker finishes, so built once (see common.IDS); they leave loaded Batch objects as they were
+BATCH = bindparam("batch")
+COMPLETE = (update(Batch).execution_options(synchronize_session=False)
+            .where(Batch.id == BATCH, Batch.status == "in_progress",
+                   Batch.request_completed + Batch.request_failed >= Batch.request_total)
+            .values(status="completed", finalizing_at=NOW, completed_at=NOW).returning(Batch.tenant_id))
+END_CANCELLING = (update(Batch).execution_options(synchronize_session=False)
+                  .where(Batch.id == BATCH, Batch.status == "cancelling",
+                         ~exists().where(Request.batch_id == BATCH, Request.status.in_(("queued", "running"))))
+                  .values(status="cancelled", cancelled_at=NOW).returning(Batch.tenant_id))
+COUNT_FINISHED = update(Batch).execution_options(synchronize_session=False).where(Batch.id == BATCH).values(
+    request_completed=Batch.request_completed + bindparam("completed"),
+    request_failed=Batch.request_failed + bindparam("failed"))
 
 
 def settle(session: Session, batch_id: str, now: float) -> str | None:
     """End the batch if its last request just finished; returns the new status, or None. Caller holds its lock."""
-    tenant_id = session.scalar(update(Batch).where(Batch.id == batch_id, Batch.status == "in_progress", ALL_COUNTED)
-                               .values(status="completed", finalizing_at=now, completed_at=now)
-                               .returning(Batch.tenant_id))
-    if tenant_id is not None:
-        notify(session, tenant_id, "batch.completed", batch_id, now)
-        return "completed"
-    unfinished = exists().where(Request.batch_id == batch_id, Request.status.in_(("queued", "running")))
-    tenant_id = session.scalar(update(Batch).where(Batch.id == batch_id, Batch.status == "cancelling", ~unfinished)
-                               .values(status="cancelled", cancelled_at=now).returning(Batch.tenant_id))
-    if tenant_id is not None:
-        notify(session, tenant_id, "batch.cancelled", batch_id, now)
-        return "cancelled"
+    for statement, status in ((COMPLETE, "completed"), (END_CANCELLING, "cancelled")):
+        tenant_id = session.scalar(statement, {"batch": batch_id, "now": now})
+        if tenant_id is not None:
+            notify(session, tenant_id, f"batch.{status}", batch_id, now)
+            return status
     return None
 
 
 def count_finished(session: Session, batch_id: str, completed: int, failed: int) -> None:
-    session.execute(update(Batch).where(Batch.id == batch_id).values(
-        request_completed=Batch.request_completed + completed, request_failed=Batch.request_failed + failed))
+    session.execute(COUNT_FINISHED, {"batch": batch_id, "completed": completed, "failed": failed})
 
 
 def cancel_batch(session: Session, batch_id: str, tenant_id: int | None = None) -> Batch:
