@@ -21,6 +21,8 @@ from common import bench_model, workload  # noqa: E402
 
 from worker.engine import LLM, SamplingParams  # noqa: E402
 
+OTHER_BLOCKS = (8, 32)
+
 
 def params(req) -> SamplingParams:
     return SamplingParams(max_tokens=req.max_tokens, temperature=0, ignore_eos=True)
@@ -31,7 +33,7 @@ def run_continuous(llm: LLM, reqs) -> tuple[float, dict]:
     for i, r in enumerate(reqs):
         llm.add_request(r.prompt, params(r), f"c{i}")
     start = time.perf_counter()
-    kv = {"peak_blocks": 0, "slot_sum": 0, "token_sum": 0}
+    kv = {"peak_blocks": 0, "slot_sum": 0, "token_sum": 0, "slots_by_block_size": dict.fromkeys(OTHER_BLOCKS, 0)}
     while llm.has_unfinished_requests():
         llm.step()
         running = llm.scheduler.running
@@ -39,6 +41,8 @@ def run_continuous(llm: LLM, reqs) -> tuple[float, dict]:
         kv["peak_blocks"] = max(kv["peak_blocks"], used)
         kv["slot_sum"] += used * llm.block_manager.block_size
         kv["token_sum"] += sum(s.num_computed_tokens for s in running)
+        for bs in OTHER_BLOCKS:  # what the same sequences would hold with other block sizes
+            kv["slots_by_block_size"][bs] += sum(-(-s.num_computed_tokens // bs) * bs for s in running)
     return time.perf_counter() - start, kv
 
 
@@ -152,7 +156,9 @@ def print_kv(llm: LLM, reqs, kv: dict, batch: int) -> None:
     print(f"KV memory, {per_token} bytes per token:")
     print(f"  paged cache pool reserved: {mib(llm.block_manager.num_blocks * llm.block_manager.block_size):8.1f} MiB;"
           f" peak used: {mib(kv['peak_blocks'] * llm.block_manager.block_size):.1f} MiB;"
-          f" waste inside used blocks (mean over steps): {paged_waste:.1%}")
+          f" waste inside used blocks (mean over steps): {paged_waste:.1%}; with {OTHER_BLOCKS[0]}-token blocks "
+          f"{1 - kv['token_sum'] / kv['slots_by_block_size'][OTHER_BLOCKS[0]]:.1%}, with {OTHER_BLOCKS[1]}: "
+          f"{1 - kv['token_sum'] / kv['slots_by_block_size'][OTHER_BLOCKS[1]]:.1%}")
     print(f"  contiguous preallocation (static {batch}, rows padded to longest prompt + max_tokens): "
           f"waste {1 - needed / reserved:.1%}")
     print(f"  contiguous preallocation to max_model_len ({llm.max_model_len}) for {batch} sequences: "

@@ -76,9 +76,12 @@ class EfficiencyWindow:
     prefix_cache_hits: int = 0
     busy_seconds: float = 0.0
 
+    def _per_step(self, total: float) -> float:
+        return total / self.steps if self.steps else 0.0
+
     @property
     def mean_running(self) -> float:
-        return self.running_sum / self.steps if self.steps else 0.0
+        return self._per_step(self.running_sum)
 
     @property
     def occupancy(self) -> float:
@@ -86,11 +89,11 @@ class EfficiencyWindow:
 
     @property
     def token_budget_use(self) -> float:
-        return self.token_budget_sum / self.steps if self.steps else 0.0
+        return self._per_step(self.token_budget_sum)
 
     @property
     def kv_cache_use(self) -> float:
-        return self.kv_use_sum / self.steps if self.steps else 0.0
+        return self._per_step(self.kv_use_sum)
 
     @property
     def idle_seconds(self) -> float:

@@ -1,4 +1,5 @@
-"""`sluice serve`: the whole service in one process on one machine: the REST API, the queue and a GPU worker.
+"""`sluice serve`: the whole service in one command on one machine: the REST API, the queue and a GPU worker in one
+process, its engine in a child process of its own (as every GPU worker's).
 
 The same code paths as the distributed setup: the API stores batches and publishes chunk messages through Celery,
 an in-process Celery worker (threads pool) runs them on the engine, results and webhooks go through the same store
