@@ -1,16 +1,17 @@
-"""The packed float32 CPU matmul against F.linear on the same weights, and where the engine uses it."""
+"""The float32 CPU matmuls through oneDNN (packed, and on the weight as loaded) against F.linear on the same
+weights, and where the engine uses each."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from worker.engine import LLM
-from worker.engine.linear import DENSE, Linear, PackedFloat32, can_pack_float32
+from worker.engine.linear import DENSE, ONEDNN_FLOAT32, Linear, PackedFloat32, can_pack_float32
 
-needs_mkl = pytest.mark.skipif(not can_pack_float32(torch.empty(1)), reason="PyTorch built without MKL")
+needs_onednn = pytest.mark.skipif(not can_pack_float32(torch.empty(1)), reason="PyTorch built without oneDNN")
 
 
-@needs_mkl
+@needs_onednn
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("rows", [1, 3, 16, 64, 65, 300])
 def test_packed_matches_dense(rows, bias):
@@ -21,6 +22,8 @@ def test_packed_matches_dense(rows, bias):
         torch.nn.init.normal_(layer.bias)
     x = torch.randn(rows, 96)
     want = F.linear(x, layer.weight, layer.bias)
+    layer.method = ONEDNN_FLOAT32
+    torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-5)
     layer.method = PackedFloat32(layer)
     assert not hasattr(layer, "weight")  # the packed form replaces it
     got = layer(x)
@@ -29,7 +32,7 @@ def test_packed_matches_dense(rows, bias):
 
 
 
-@needs_mkl
+@needs_onednn
 def test_packed_takes_strided_and_batched_inputs():
     torch.manual_seed(0)
     layer = Linear(64, [48])
@@ -40,7 +43,7 @@ def test_packed_takes_strided_and_batched_inputs():
     torch.testing.assert_close(layer(x), F.linear(x, w), rtol=1e-5, atol=1e-5)
 
 
-@needs_mkl
+@needs_onednn
 def test_engine_packs_float32_cpu_weights_only(llama_dir, checkpoints):
     fp32 = LLM(str(llama_dir), num_kv_blocks=8)
     bf16 = LLM(str(llama_dir), num_kv_blocks=8, dtype="bfloat16")
@@ -48,7 +51,8 @@ def test_engine_packs_float32_cpu_weights_only(llama_dir, checkpoints):
     assert all(m.method is DENSE for m in bf16.runner.model.modules() if isinstance(m, Linear))
     # the logical weight size, as if dense: packing changes the layout, not what the weights cost
     assert fp32.stats()["weight_bytes"] == 2 * bf16.stats()["weight_bytes"]
-    # a tied lm_head shares the embedding: packing it would copy the embedding, so it stays dense
+    # a tied lm_head shares the embedding: packing it would copy the embedding, so it multiplies the shared tensor
     qwen2 = LLM(str(checkpoints("qwen2")), num_kv_blocks=8)
-    assert qwen2.runner.model.lm_head.method is DENSE
+    lm_head = qwen2.runner.model.lm_head
+    assert lm_head.method is ONEDNN_FLOAT32 and lm_head.weight is qwen2.runner.model.model.embed_tokens.weight
     assert isinstance(qwen2.runner.model.model.layers[0].self_attn.qkv_proj.method, PackedFloat32)

@@ -49,29 +49,39 @@ def take_weight(layer: Linear) -> torch.Tensor:
 
 
 def can_pack_float32(weight: torch.Tensor) -> bool:
-    return (weight.device.type == "cpu" and weight.dtype == torch.float32 and torch.backends.mkl.is_available()
-            and hasattr(torch.ops.mkl, "_mkl_linear"))
+    return (weight.device.type == "cpu" and weight.dtype == torch.float32 and torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+
+
+def _onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
 class PackedFloat32:
-    """A float32 CPU weight in MKL's packed GEMM layout, packed once at load.
+    """A float32 CPU weight in oneDNN's blocked GEMM layout, packed once at load.
 
-    A plain sgemm repacks the whole weight on every call; with few rows (decode steps) that repacking costs as much
-    as the multiplication, so packing once makes 4-64-row matmuls 1.4-1.7x faster (bench/throughput.py). The packed
-    form replaces the weight: resident memory stays the same.
+    PyTorch's float32 matmul is MKL's sgemm, which on AMD CPUs takes a generic path and repacks the whole weight on
+    every call: oneDNN picks its kernel by instruction set, not vendor, and with the weight pre-blocked a 64-row
+    decode matmul runs about twice as fast (bench/throughput.py prints the engine's step rates). The packed form
+    replaces the weight: resident memory stays the same.
     """
 
     def __init__(self, layer: Linear):
         w = take_weight(layer)
-        # the buffer's extent is MKL's; its pages are the weight's size when touched (it reserves more than it fills)
         self.nbytes = w.numel() * w.element_size()
-        self.packed = torch.ops.mkl._mkl_reorder_linear_weight(w, PACK_ROWS)
-        # _mkl_linear takes the original weight only for its shape (and a fallback we never use): a 0-byte stand-in
-        self.shape = torch.zeros((), dtype=w.dtype).expand(w.shape)
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS)
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
-        # the packed layout does not depend on the row count; passing this call's rows selects the packed kernel
-        return torch.ops.mkl._mkl_linear(x, self.packed, self.shape, layer.bias, x.shape[0])
+        return _onednn_linear(x, self.packed, layer.bias)
 
 
-PACK_ROWS = 64  # MKL's row-count hint when packing: a decode step's size
+class OneDnnFloat32:
+    """oneDNN's GEMM on the weight as loaded: for a weight another module shares (a tied lm_head), which packing
+    would have to copy."""
+
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        return _onednn_linear(x, layer.weight, layer.bias)
+
+
+ONEDNN_FLOAT32 = OneDnnFloat32()
+PACK_ROWS = 64  # oneDNN's row-count hint when blocking: a decode step's size (8-64 rows run at near peak with it)
