@@ -46,11 +46,39 @@ class AttentionBackend(Protocol):
     def attend(self, q: torch.Tensor, cache: LayerCache, meta: AttentionMetadata, scale: float) -> torch.Tensor: ...
 
 
-DECODE_BUCKET = 32  # decode rows attended together; rows arrive sorted by context, so each bucket pads little
+# decode rows attended together; rows arrive sorted by context, so a bucket pads little, and a small bucket's
+# gathered K and V stay in cache for SDPA to read (8 rows ran decode attention ~1.9x faster than 32 on CPU)
+DECODE_BUCKET = 8
+
+
+@dataclass
+class DecodeBucket:
+    rows: slice
+    table: torch.Tensor  # [rows, blocks]: the blocks the bucket's longest context spans
+    bias: torch.Tensor  # [rows, 1, 1, blocks * block_size]: 0 where a row attends, -inf over padding
+
+
+@dataclass
+class PrefillRow:
+    row: int
+    tokens: slice  # the row's query tokens in the step
+    table: torch.Tensor  # [1, blocks]
+    mask: torch.Tensor | None  # [query, context] bool; None: plain causal (the whole context is this chunk)
+
+
+@dataclass
+class StepPlan:
+    """What every layer attends over this step, derived once from the metadata instead of once per layer."""
+
+    decodes: list[DecodeBucket]
+    prefills: list[PrefillRow]
 
 
 class TorchAttention:
     """Reference backend in plain PyTorch, for CPU and CUDA: gathers each sequence's blocks, then SDPA."""
+
+    def __init__(self):
+        self._plan: tuple[AttentionMetadata, StepPlan] | None = None
 
     def store(self, k: torch.Tensor, v: torch.Tensor, cache: LayerCache, meta: AttentionMetadata) -> None:
         if cache.k_scale is not None:
@@ -63,46 +91,68 @@ class TorchAttention:
         cache.v.view(nb * bs, h, d).index_copy_(0, meta.slot_mapping, v)
 
     def attend(self, q: torch.Tensor, cache: LayerCache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        plan = self._step_plan(meta, cache.k.shape[1], q.dtype)
         out = torch.empty_like(q)
-        for start in range(0, meta.num_decodes, DECODE_BUCKET):
-            rows = slice(start, min(start + DECODE_BUCKET, meta.num_decodes))
-            out[rows] = self._decode(q[rows], cache, meta, rows, scale)
-        for i in range(meta.num_decodes, len(meta.query_lens)):
-            start, end = int(meta.cu_seqlens_q[i]), int(meta.cu_seqlens_q[i + 1])
-            out[start:end] = self._prefill(q[start:end], cache, meta, i, scale)
+        for b in plan.decodes:
+            out[b.rows] = self._decode(q[b.rows], cache, b, scale)
+        for p in plan.prefills:
+            out[p.tokens] = self._prefill(q[p.tokens], cache, p, meta.context_lens_list[p.row], scale)
         return out
 
-    def _decode(self, q: torch.Tensor, cache: LayerCache, meta: AttentionMetadata, rows: slice, scale: float):
+    def _step_plan(self, meta: AttentionMetadata, block_size: int, dtype: torch.dtype) -> StepPlan:
+        if self._plan is None or self._plan[0] is not meta:  # a new step: the first layer builds it
+            self._plan = (meta, StepPlan(_decode_buckets(meta, block_size, dtype), _prefill_rows(meta, block_size)))
+        return self._plan[1]
+
+    def _decode(self, q: torch.Tensor, cache: LayerCache, b: DecodeBucket, scale: float) -> torch.Tensor:
         n, heads, d = q.shape
         kv_heads = cache.k.shape[2]
-        ctx = meta.context_lens[rows]
-        length = max(meta.context_lens_list[rows])
-        table = meta.block_tables[rows, : -(-length // cache.k.shape[1])]
-        k, v = _gather(cache, table, q.dtype)  # [n, kv_heads, L, d]
-        pos = torch.arange(k.shape[2], device=q.device)
-        mask = pos[None, :] < ctx[:, None]
-        if meta.sliding_window is not None:
-            mask &= pos[None, :] > (ctx[:, None] - 1 - meta.sliding_window)
+        k, v = _gather(cache, b.table, q.dtype)  # [n, kv_heads, L, d]
         # each KV head's group of query heads forms its query rows: GQA without repeating K/V
-        out = F.scaled_dot_product_attention(
-            q.view(n, kv_heads, heads // kv_heads, d), k, v, attn_mask=mask[:, None, None, :], scale=scale
-        )
+        out = F.scaled_dot_product_attention(q.view(n, kv_heads, heads // kv_heads, d), k, v, attn_mask=b.bias,
+                                             scale=scale)
         return out.reshape(n, heads, d)
 
-    def _prefill(self, q: torch.Tensor, cache: LayerCache, meta: AttentionMetadata, i: int, scale: float):
-        n, ctx = q.shape[0], meta.context_lens_list[i]
-        table = meta.block_tables[i:i + 1, : -(-ctx // cache.k.shape[1])]
-        k, v = _gather(cache, table, q.dtype)
+    def _prefill(self, q: torch.Tensor, cache: LayerCache, p: PrefillRow, ctx: int, scale: float) -> torch.Tensor:
+        k, v = _gather(cache, p.table, q.dtype)
         k, v = k[:, :, :ctx], v[:, :, :ctx]
-        q_pos = torch.arange(ctx - n, ctx, device=q.device)[:, None]
-        k_pos = torch.arange(ctx, device=q.device)[None, :]
-        mask = k_pos <= q_pos
-        if meta.sliding_window is not None:
-            mask &= q_pos - k_pos < meta.sliding_window
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1).unsqueeze(0), k, v, attn_mask=mask, scale=scale, enable_gqa=True
-        )
+        out = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), k, v, attn_mask=p.mask,
+                                             is_causal=p.mask is None, scale=scale, enable_gqa=True)
         return out.squeeze(0).transpose(0, 1)
+
+
+def _decode_buckets(meta: AttentionMetadata, block_size: int, dtype: torch.dtype) -> list[DecodeBucket]:
+    buckets = []
+    for start in range(0, meta.num_decodes, DECODE_BUCKET):
+        rows = slice(start, min(start + DECODE_BUCKET, meta.num_decodes))
+        ctx = meta.context_lens[rows]
+        blocks = -(-max(meta.context_lens_list[rows]) // block_size)
+        pos = torch.arange(blocks * block_size, device=ctx.device)
+        keep = pos[None, :] < ctx[:, None]
+        if meta.sliding_window is not None:
+            keep &= pos[None, :] > (ctx[:, None] - 1 - meta.sliding_window)
+        # an additive mask: SDPA would otherwise convert a boolean one in every layer
+        bias = torch.zeros(keep.shape, dtype=dtype, device=ctx.device).masked_fill_(~keep, float("-inf"))
+        buckets.append(DecodeBucket(rows, meta.block_tables[rows, :blocks], bias[:, None, None, :]))
+    return buckets
+
+
+def _prefill_rows(meta: AttentionMetadata, block_size: int) -> list[PrefillRow]:
+    rows = []
+    for i in range(meta.num_decodes, len(meta.query_lens)):
+        start, end = int(meta.cu_seqlens_q[i]), int(meta.cu_seqlens_q[i + 1])
+        n, ctx = end - start, meta.context_lens_list[i]
+        table = meta.block_tables[i:i + 1, : -(-ctx // block_size)]
+        window = meta.sliding_window is not None and ctx > meta.sliding_window
+        mask = None
+        if n != ctx or window:  # SDPA's is_causal aligns the query to the context's start: only right when equal
+            q_pos = torch.arange(ctx - n, ctx, device=table.device)[:, None]
+            k_pos = torch.arange(ctx, device=table.device)[None, :]
+            mask = k_pos <= q_pos
+            if window:
+                mask &= q_pos - k_pos < meta.sliding_window
+        rows.append(PrefillRow(i, slice(start, end), table, mask))
+    return rows
 
 
 def _gather(cache: LayerCache, table: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
