@@ -56,3 +56,18 @@ def test_engine_packs_float32_cpu_weights_only(llama_dir, checkpoints):
     lm_head = qwen2.runner.model.lm_head
     assert lm_head.method is ONEDNN_FLOAT32 and lm_head.weight is qwen2.runner.model.model.embed_tokens.weight
     assert isinstance(qwen2.runner.model.model.layers[0].self_attn.qkv_proj.method, PackedFloat32)
+
+
+def test_cpu_mlp_runs_long_prefills_in_row_chunks_with_the_same_result(monkeypatch):
+    from worker.engine.layers import silu_and_mul
+    from worker.engine.models import llama
+
+    torch.manual_seed(0)
+    monkeypatch.setattr(llama, "CPU_MLP_ROWS", 16)
+    config = type("C", (), {"hidden_size": 32, "intermediate_size": 48})()
+    mlp = llama.MLP(config)
+    for layer in (mlp.gate_up_proj, mlp.down_proj):
+        torch.nn.init.normal_(layer.weight)
+    x = torch.randn(50, 32)  # three full chunks and a partial one
+    want = F.linear(silu_and_mul(F.linear(x, mlp.gate_up_proj.weight)), mlp.down_proj.weight)
+    torch.testing.assert_close(mlp(x), want, rtol=1e-5, atol=1e-5)
