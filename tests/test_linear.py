@@ -59,12 +59,14 @@ def test_engine_packs_float32_cpu_weights_only(llama_dir, checkpoints):
 
 
 def test_cpu_mlp_runs_long_prefills_in_row_chunks_with_the_same_result(monkeypatch):
+    from types import SimpleNamespace
+
     from worker.engine.layers import silu_and_mul
     from worker.engine.models import llama
 
     torch.manual_seed(0)
     monkeypatch.setattr(llama, "CPU_MLP_ROWS", 16)
-    config = type("C", (), {"hidden_size": 32, "intermediate_size": 48})()
+    config = SimpleNamespace(hidden_size=32, intermediate_size=48)
     mlp = llama.MLP(config)
     for layer in (mlp.gate_up_proj, mlp.down_proj):
         torch.nn.init.normal_(layer.weight)

@@ -60,8 +60,8 @@ class DecodeBucket:
 
 @dataclass
 class PrefillRow:
-    row: int
     tokens: slice  # the row's query tokens in the step
+    context: int  # tokens in the cache after this step
     table: torch.Tensor  # [1, blocks]
     mask: torch.Tensor | None  # [query, context] bool; None: plain causal (the whole context is this chunk)
 
@@ -96,7 +96,7 @@ class TorchAttention:
         for b in plan.decodes:
             out[b.rows] = self._decode(q[b.rows], cache, b, scale)
         for p in plan.prefills:
-            out[p.tokens] = self._prefill(q[p.tokens], cache, p, meta.context_lens_list[p.row], scale)
+            out[p.tokens] = self._prefill(q[p.tokens], cache, p, scale)
         return out
 
     def _step_plan(self, meta: AttentionMetadata, block_size: int, dtype: torch.dtype) -> StepPlan:
@@ -113,9 +113,9 @@ class TorchAttention:
                                              scale=scale)
         return out.reshape(n, heads, d)
 
-    def _prefill(self, q: torch.Tensor, cache: LayerCache, p: PrefillRow, ctx: int, scale: float) -> torch.Tensor:
+    def _prefill(self, q: torch.Tensor, cache: LayerCache, p: PrefillRow, scale: float) -> torch.Tensor:
         k, v = _gather(cache, p.table, q.dtype)
-        k, v = k[:, :, :ctx], v[:, :, :ctx]
+        k, v = k[:, :, :p.context], v[:, :, :p.context]
         out = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), k, v, attn_mask=p.mask,
                                              is_causal=p.mask is None, scale=scale, enable_gqa=True)
         return out.squeeze(0).transpose(0, 1)
@@ -151,7 +151,7 @@ def _prefill_rows(meta: AttentionMetadata, block_size: int) -> list[PrefillRow]:
             mask = k_pos <= q_pos
             if window:
                 mask &= q_pos - k_pos < meta.sliding_window
-        rows.append(PrefillRow(i, slice(start, end), table, mask))
+        rows.append(PrefillRow(slice(start, end), ctx, table, mask))
     return rows
 
 
