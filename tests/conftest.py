@@ -17,6 +17,8 @@ ARCHS = {
     "llama": ("LlamaForCausalLM", dict(num_key_value_heads=2)),
     "mistral": ("MistralForCausalLM", dict(num_key_value_heads=1, sliding_window=None)),
     "qwen2": ("Qwen2ForCausalLM", dict(num_key_value_heads=2, tie_word_embeddings=True)),
+    # a window shorter than most prompts: attention sees only the last 16 positions
+    "mistral_window": ("MistralForCausalLM", dict(num_key_value_heads=1, sliding_window=16)),
 }
 
 

@@ -106,3 +106,14 @@ def test_shared_prefix_hits_cache(checkpoints, arch):
     got, stats, _ = run_engine(path, prompts, max_num_seqs=8)
     assert stats["prefix_cache_hits"] >= (NUM_PROMPTS - 8) * 64
     assert got == expected
+
+
+@pytest.mark.parametrize("engine_kwargs", [{}, {"max_num_batched_tokens": 16}], ids=["whole", "chunked"])
+def test_sliding_window_matches_transformers(checkpoints, engine_kwargs):
+    """Mistral's sliding window, in decode and in prefill (whole prompts, and chunks that start past the window)."""
+    path = checkpoints("mistral_window")
+    assert transformers.AutoConfig.from_pretrained(str(path)).sliding_window == 16
+    prompts = make_prompts(transformers.AutoConfig.from_pretrained(str(path)).vocab_size, seed=7)
+    assert max(len(ids) for ids, _ in prompts) > 16
+    got, _, _ = run_engine(path, prompts, **engine_kwargs)
+    assert got == hf_greedy(path, prompts)
