@@ -3,6 +3,7 @@ build failures, and an engine process that dies with its worker or under it."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -16,6 +17,7 @@ from functools import partial
 import pytest
 
 from worker.bridge import EngineBridge, default_engine_threads
+from worker.cpus import split_cpus
 from worker.engine import LLM, LLMEngine, RequestRejected, SamplingParams
 from worker.engine.config import ModelError
 
@@ -152,3 +154,53 @@ def test_the_engine_leaves_the_worker_a_cpu(monkeypatch):
     assert default_engine_threads() == 3
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
     assert default_engine_threads() == 1
+
+
+def test_cpus_split_between_engine_and_worker(monkeypatch):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {4, 5, 6, 7})
+    assert split_cpus(3) == ({4}, {5, 6, 7})
+    assert split_cpus(4) is None
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
+    assert split_cpus(1) is None
+
+
+def _thread_cpus(pid: int) -> set[frozenset[int]]:
+    return {frozenset(os.sched_getaffinity(int(tid))) for tid in os.listdir(f"/proc/{pid}/task")}
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="pinning needs two CPUs")
+def test_a_pinned_cpu_engine_and_its_worker_share_no_cpu(llama_dir, tmp_path):
+    """Every thread of the engine process (OpenMP's included) on the last CPU, every thread of the worker on the
+    others, and the engine's outputs unchanged. In a child process: pinning pins the process that asks."""
+    script = textwrap.dedent(f"""
+        import json, os, threading
+        from functools import partial
+        from worker.bridge import EngineBridge
+        from worker.engine import LLMEngine, SamplingParams
+        from tests.test_bridge import _thread_cpus, prompts, ENGINE, PARAMS
+        if __name__ == "__main__":
+            bridge = EngineBridge(partial(LLMEngine, {str(llama_dir)!r}, **ENGINE), threads=1, pin_cpus=True).start()
+            release = threading.Event()
+            later = threading.Thread(target=release.wait)  # a thread started after pinning inherits the CPUs
+            later.start()
+            futures = [bridge.submit(f"p{{i}}", p, PARAMS) for i, p in enumerate(prompts(12))]
+            tokens = [f.result(timeout=60).token_ids for f in futures]
+            engine = [sorted(c) for c in _thread_cpus(bridge.process.pid)]
+            worker = [sorted(c) for c in _thread_cpus(os.getpid())]
+            print(json.dumps(dict(pinned=bridge.pinned, engine=engine, worker=worker, tokens=tokens)), flush=True)
+            release.set()
+            later.join()
+            bridge.stop(timeout=30)
+    """)
+    path = tmp_path / "pinned.py"
+    path.write_text(script)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run([sys.executable, str(path)], capture_output=True, text=True, cwd=root, timeout=300,
+                          env={**os.environ, "PYTHONPATH": root})
+    assert done.returncode == 0, done.stderr
+    got = json.loads(done.stdout.splitlines()[-1])
+    cpus = sorted(os.sched_getaffinity(0))
+    assert got["pinned"]
+    assert got["engine"] == [cpus[-1:]]
+    assert got["worker"] == [cpus[:-1]]
+    assert got["tokens"] == [o.token_ids for o in LLM(str(llama_dir), **ENGINE).generate(prompts(12), PARAMS)]

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from concurrent.futures import CancelledError, Future
 from pathlib import Path
 
+from worker.cpus import pin_threads, split_cpus
 from worker.engine import InputProcessor, LLMEngine, RequestRejected, SamplingParams
 from worker.engine_core import Abort, EfficiencyWindow, Failed, Report, StepStats, Stop, Submit, run_engine
 
@@ -30,11 +31,17 @@ def default_engine_threads() -> int:
 class EngineBridge:
     def __init__(self, build: Callable[[], LLMEngine], window_seconds: float = 10.0,
                  on_window: Callable[[EfficiencyWindow], None] | None = None,
-                 on_step: Callable[[StepStats], None] | None = None, threads: int | None = None):
+                 on_step: Callable[[StepStats], None] | None = None, threads: int | None = None,
+                 pin_cpus: bool = False):
         """`build` makes the engine in the engine process, so it must pickle (a function, or a partial of one);
-        `threads` is the engine's PyTorch thread count (default_engine_threads())."""
+        `threads` is the engine's PyTorch thread count (default_engine_threads()). `pin_cpus`: a CPU engine and
+        this whole process (every thread of it) get disjoint CPUs (split_cpus), so the worker's Python never
+        preempts the engine's OpenMP threads mid parallel region; it applies only once the engine is built on
+        the CPU, and it pins the calling process, so only a process that is a worker should ask."""
         self.build, self.window_seconds = build, window_seconds
         self.threads = threads or default_engine_threads()
+        self.split = split_cpus(self.threads) if pin_cpus else None
+        self.pinned = False
         self.on_window, self.on_step = on_window, on_step
         self.processor: InputProcessor | None = None
         self.error: BaseException | None = None
@@ -50,7 +57,8 @@ class EngineBridge:
         requests_in, self._requests = ctx.Pipe(duplex=False)
         self._reports, reports_out = ctx.Pipe(duplex=False)
         self.process = ctx.Process(target=run_engine, name="sluice-engine", daemon=True,
-                                   args=(self.build, requests_in, reports_out, self.window_seconds, self.threads))
+                                   args=(self.build, requests_in, reports_out, self.window_seconds, self.threads,
+                                         self.split and self.split[1]))
         self.process.start()
         requests_in.close()  # only the engine holds these ends: either side sees EOF when the other dies
         reports_out.close()
@@ -64,6 +72,9 @@ class EngineBridge:
             self.process.join()
             raise first.error
         self.processor = InputProcessor.load(Path(first.path), first.config, first.num_kv_blocks)
+        if first.pinned:
+            pin_threads(self.split[0])
+            self.pinned = True
         self._receiver.start()
         return self
 

@@ -16,6 +16,7 @@ from multiprocessing.connection import Connection
 
 import torch
 
+from worker.cpus import pin_threads
 from worker.engine import LLMEngine, RequestOutput, RequestRejected, SamplingParams
 from worker.engine.config import EngineConfig
 
@@ -48,6 +49,7 @@ class Ready:
     path: str
     config: EngineConfig
     num_kv_blocks: int
+    pinned: bool = False  # the engine process took the CPUs it was offered
 
 
 @dataclass
@@ -130,8 +132,9 @@ class Report:
 
 
 def run_engine(build: Callable[[], LLMEngine], requests: Connection, reports: Connection,
-               window_seconds: float, threads: int) -> None:
-    """The process's target; `threads` is PyTorch's intra-op thread count here."""
+               window_seconds: float, threads: int, cpus: set[int] | None = None) -> None:
+    """The process's target; `threads` is PyTorch's intra-op thread count here; a CPU engine pins itself to
+    `cpus` when given (a CUDA engine's few CPU threads are better left free to move)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the worker decides
     torch.set_num_threads(threads)
     try:
@@ -139,7 +142,10 @@ def run_engine(build: Callable[[], LLMEngine], requests: Connection, reports: Co
     except BaseException as e:  # noqa: BLE001 - whatever it is, the worker must hear of it
         _send_failure(reports, e)
         return
-    reports.send(Ready(str(engine.path), engine.config, engine.block_manager.num_blocks))
+    pinned = bool(cpus) and engine.config.torch_device().type == "cpu"
+    if pinned:
+        pin_threads(cpus)  # OpenMP's pool may already exist (building ran parallel ops): every thread, not just this
+    reports.send(Ready(str(engine.path), engine.config, engine.block_manager.num_blocks, pinned))
     EngineCore(engine, requests, reports, window_seconds).loop()
 
 

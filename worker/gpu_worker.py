@@ -51,6 +51,7 @@ class WorkerSettings:
     window_seconds: float = 10.0
     metrics_port: int | None = None
     engine_threads: int | None = None  # PyTorch threads of the engine process (default: all CPUs but one)
+    cpu_pinning: bool = True  # a CPU engine and this process on disjoint CPUs (worker/cpus.py)
 
 
 @dataclass
@@ -67,7 +68,8 @@ class GpuWorker:
         self.windows: queue.Queue[EfficiencyWindow] = queue.Queue()
         self.metrics = EngineMetrics(settings.served_model_name)
         self.bridge = EngineBridge(build_engine, settings.window_seconds, on_window=self.windows.put,
-                                   on_step=self.metrics.observe, threads=settings.engine_threads)
+                                   on_step=self.metrics.observe, threads=settings.engine_threads,
+                                   pin_cpus=settings.cpu_pinning)
         self.in_flight: set[int] = set()
         self.lock = threading.Lock()
         self.stopping = threading.Event()

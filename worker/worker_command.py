@@ -33,6 +33,9 @@ def add_worker_parser(commands) -> None:
                      help="serve the engine's live Prometheus metrics on this port (sluice:engine_*)")
     ops.add_argument("--engine-threads", type=int, metavar="N",
                      help="PyTorch threads of the engine process (default: all CPUs but one, left to the worker)")
+    ops.add_argument("--no-cpu-pinning", dest="cpu_pinning", action="store_false",
+                     help="let the OS place a CPU engine's threads and the worker's (default: the engine's threads "
+                          "get the last CPUs to themselves, the worker the rest)")
     ops.add_argument("--loglevel", default="INFO")
     parser.set_defaults(handler=worker_command)
 
@@ -52,7 +55,7 @@ def worker_command(args: argparse.Namespace) -> int:
     settings = WorkerSettings(name, args.model, lease_seconds=args.lease_seconds,
                               reconcile_seconds=args.reconcile_seconds, stale_seconds=args.stale_seconds,
                               shutdown_grace_seconds=args.shutdown_grace_seconds, metrics_port=args.metrics_port,
-                              engine_threads=args.engine_threads)
+                              engine_threads=args.engine_threads, cpu_pinning=args.cpu_pinning)
     worker = GpuWorker(partial(load_engine, args), settings, db.session_factory(db.make_engine()), app)
     try:
         worker.start()  # builds the engine on its own thread; a bad model is load_engine's UsageError

@@ -1,0 +1,25 @@
+"""CPU placement for a CPU engine beside its worker: disjoint CPUs, so neither preempts the other. An OpenMP
+parallel region waits for its slowest thread; one thread descheduled by the worker's Python stalls the whole
+step (vLLM's CPU backend binds its OpenMP threads for the same reason, VLLM_CPU_OMP_THREADS_BIND)."""
+
+from __future__ import annotations
+
+import os
+
+
+def split_cpus(threads: int) -> tuple[set[int], set[int]] | None:
+    """(the worker's CPUs, the engine's CPUs): the engine takes the last `threads` this process may use, the
+    worker keeps the rest; None when there is nothing to split."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) <= threads:
+        return None
+    return set(cpus[:-threads]), set(cpus[-threads:])
+
+
+def pin_threads(cpus: set[int]) -> None:
+    """Pin every thread of this process to `cpus`; threads started later inherit their creator's CPUs."""
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), cpus)
+        except (ProcessLookupError, FileNotFoundError):  # the thread exited meanwhile
+            pass
