@@ -3,7 +3,8 @@ one `sluice worker`, against the same requests through the engine alone, in one 
 
 Prints requests/s and output tokens/s of both, the overhead, and the Postgres rows and Redis messages (and
 commands) per request. Needs the local PostgreSQL and Redis (creates and drops its own database, uses Redis db 15).
-Run: python bench/queue_overhead.py [--requests 10000] [--producers 8] [--model demo|small|DIR] [--repeat 2]
+Run: python bench/queue_overhead.py [--requests 10000] [--producers 8] [--batch-lines N]
+     [--model demo|small|DIR] [--repeat 2]
 """
 
 from __future__ import annotations
@@ -74,7 +75,7 @@ def redis_commands(client: redis.Redis) -> int:
     return int(client.info("stats")["total_commands_processed"])
 
 
-def through_the_queue(url: str, model: str, requests: list[dict], producers: int) -> dict:
+def through_the_queue(url: str, model: str, requests: list[dict], producers: int, batch_lines: int) -> dict:
     env = {**os.environ, "SLUICE_DATABASE_URL": url, "SLUICE_BROKER_URL": BROKER_URL}
     worker = subprocess.Popen([sys.executable, "-m", "worker", "worker", "--model", model, "--served-model-name",
                                "bench", "--loglevel", "WARNING", "--max-num-seqs", str(ENGINE_FLAGS["max_num_seqs"]),
@@ -97,16 +98,17 @@ def through_the_queue(url: str, model: str, requests: list[dict], producers: int
         batch_ids, messages, lock = [], [0], threading.Lock()
         share = -(-len(requests) // producers)
 
-        def produce(part: list[dict]) -> None:
-            data = "".join(json.dumps(line) + "\n" for line in part).encode()
-            with sessions.begin() as s:
-                tenant = store.get_or_create_tenant(s, store.DEFAULT_TENANT)
-                file = store.store_file(s, tenant.id, "in.jsonl", "batch", data)
-                batch, work = store.create_batch(s, tenant.id, file.id, model="bench")
-            sent = publish_chunks(app, [work])
-            with lock:
-                messages[0] += sent
-                batch_ids.append(batch.id)
+        def produce(share: list[dict]) -> None:  # a producer submits its share as batches of batch_lines, in turn
+            for i in range(0, len(share), batch_lines):
+                data = "".join(json.dumps(line) + "\n" for line in share[i:i + batch_lines]).encode()
+                with sessions.begin() as s:
+                    tenant = store.get_or_create_tenant(s, store.DEFAULT_TENANT)
+                    file = store.store_file(s, tenant.id, "in.jsonl", "batch", data)
+                    batch, work = store.create_batch(s, tenant.id, file.id, model="bench")
+                sent = publish_chunks(app, [work])
+                with lock:
+                    messages[0] += sent
+                    batch_ids.append(batch.id)
 
         start = time.perf_counter()
         threads = [threading.Thread(target=produce, args=(requests[i:i + share],))
@@ -144,7 +146,7 @@ def engine_line(name: str, e: dict) -> str:
             f"{e['busy']:.1f} s stepping")
 
 
-def service(model: str, requests: list[dict], producers: int) -> dict:
+def service(model: str, requests: list[dict], producers: int, batch_lines: int) -> dict:
     """One run through the service, on a database of its own (created, migrated, dropped) and a flushed Redis db."""
     admin = create_engine(ADMIN_URL, isolation_level="AUTOCOMMIT")
     name = f"sluice_bench_{uuid.uuid4().hex[:8]}"
@@ -156,7 +158,7 @@ def service(model: str, requests: list[dict], producers: int) -> dict:
         migrated = db.make_engine(url)
         db.upgrade(migrated)
         migrated.dispose()
-        return through_the_queue(url, model, requests, producers)
+        return through_the_queue(url, model, requests, producers, batch_lines)
     finally:
         with admin.connect() as c:
             c.execute(text(f'DROP DATABASE "{name}" WITH (FORCE)'))
@@ -168,6 +170,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--requests", type=int, default=10_000)
     ap.add_argument("--producers", type=int, default=8)
+    ap.add_argument("--batch-lines", type=int, default=0,
+                    help="lines per batch: each producer submits its share as batches of this size, one after another "
+                         "(a batch's work starts once it is stored); default: one batch per producer")
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--model", default="demo", help="a checkpoint dir, 'demo', or 'small' (hidden 256, 4 layers)")
     ap.add_argument("--repeat", type=int, default=2,
@@ -179,6 +184,7 @@ def main() -> None:
 
         args.model = str(small_model())
     requests = lines(args.requests, args.max_tokens, 0)
+    args.batch_lines = args.batch_lines or -(-args.requests // args.producers)
     # The baseline is the engine at its best: with every CPU, and with the worker's engine's thread count (on a
     # small CPU model fewer threads can be as fast, OpenMP's fork-join costing what the extra core brings).
     counts = sorted({len(os.sched_getaffinity(0)), default_engine_threads()}, reverse=True)
@@ -186,12 +192,13 @@ def main() -> None:
     for _ in range(args.repeat):
         for t in counts:
             alones[t].append(engine_alone(args.model, requests, t))
-        services.append(service(args.model, requests, args.producers))
+        services.append(service(args.model, requests, args.producers, args.batch_lines))
     best = {t: min(runs, key=lambda a: a[0]) for t, runs in alones.items()}
     alone_s, alone_tokens, alone = min(best.values(), key=lambda a: a[0])
     q = min(services, key=lambda r: r["seconds"])
     n = len(requests)
-    print(f"{n} chat requests, {args.max_tokens} output tokens each, model {args.model}, {args.producers} producers, "
+    print(f"{n} chat requests, {args.max_tokens} output tokens each, model {args.model}, {args.producers} producers "
+          f"submitting batches of {args.batch_lines} lines, "
           f"one worker (max_num_seqs {ENGINE_FLAGS['max_num_seqs']}); fastest of {args.repeat} runs each")
     print(f"{'path':34s} {'seconds':>8s} {'req/s':>8s} {'tok/s':>9s}  all runs (s)")
     for t in counts:
