@@ -119,3 +119,15 @@ def test_kv_cache_memory_sets_the_number_of_blocks(llama_dir):
     llm = LLM(str(llama_dir), kv_cache_memory=10 * per_block + 100)
     assert llm.stats()["kv_blocks_total"] == 10
     assert llm.stats()["kv_cache_bytes"] == 10 * per_block
+
+
+@pytest.mark.parametrize("text", ["one two three", "", "  leading and trailing  ", "line\nbreaks\n\n",
+                                  "unicode: naïve café ✓ 東京", "<|user|>\nspecial tokens inside<|assistant|>\n"])
+def test_the_processor_tokenizes_as_transformers_does(llm, text):
+    processor = llm.processor
+    assert processor.tokenizer.backend_tokenizer is not None  # the fast path is the one under test
+    assert processor.encode(text) == llm.tokenizer.encode(text)
+    assert processor.token_ids(text, special=False) == llm.tokenizer.encode(text, add_special_tokens=False)
+    conv = [{"role": "system", "content": "be brief"}, {"role": "user", "content": text or "hi"}]
+    assert processor.encode_chat(conv) == llm.tokenizer.apply_chat_template(conv, add_generation_prompt=True,
+                                                                           return_dict=False)
