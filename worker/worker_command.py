@@ -56,7 +56,7 @@ def worker_command(args: argparse.Namespace) -> int:
                               reconcile_seconds=args.reconcile_seconds, stale_seconds=args.stale_seconds,
                               shutdown_grace_seconds=args.shutdown_grace_seconds, metrics_port=args.metrics_port,
                               engine_threads=args.engine_threads, cpu_pinning=args.cpu_pinning)
-    worker = GpuWorker(partial(load_engine, args), settings, db.session_factory(db.make_engine()), app)
+    worker = GpuWorker(partial(load_engine, args), settings, db.session_factory(db.make_engine(pre_ping=False)), app)
     try:
         worker.start()  # builds the engine on its own thread; a bad model is load_engine's UsageError
     except SQLAlchemyError as e:

@@ -27,7 +27,7 @@ from api.store.common import (
     lock_batches_of,
     update_requests,
 )
-from api.store.lifecycle import count_finished, settle
+from api.store.lifecycle import count_and_settle, settle
 from api.store.usage import cost
 
 ACCEPTING = ("in_progress", "cancelling")  # batches whose running requests may still finish
@@ -162,8 +162,7 @@ def write_results(session: Session, results: list[RequestResult], worker_id: str
     completed = Counter(b for i, b in finished if by_id[i].error is None)
     failed = Counter(b for i, b in finished if by_id[i].error is not None)
     for batch_id in sorted(set(completed) | set(failed)):
-        count_finished(session, batch_id, completed[batch_id], failed[batch_id])
-        settle(session, batch_id, now)
+        count_and_settle(session, batch_id, completed[batch_id], failed[batch_id], now)
     return sorted(request_id for request_id, _ in finished)
 
 

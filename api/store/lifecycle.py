@@ -30,9 +30,10 @@ END_CANCELLING = (update(Batch).execution_options(synchronize_session=False)
                   .where(Batch.id == BATCH, Batch.status == "cancelling",
                          ~exists().where(Request.batch_id == BATCH, Request.status.in_(("queued", "running"))))
                   .values(status="cancelled", cancelled_at=NOW).returning(Batch.tenant_id))
-COUNT_FINISHED = update(Batch).execution_options(synchronize_session=False).where(Batch.id == BATCH).values(
+COUNT_FINISHED = (update(Batch).execution_options(synchronize_session=False).where(Batch.id == BATCH).values(
     request_completed=Batch.request_completed + bindparam("completed"),
     request_failed=Batch.request_failed + bindparam("failed"))
+    .returning(Batch.status, Batch.request_completed + Batch.request_failed >= Batch.request_total))
 
 
 def settle(session: Session, batch_id: str, now: float) -> str | None:
@@ -45,8 +46,20 @@ def settle(session: Session, batch_id: str, now: float) -> str | None:
     return None
 
 
-def count_finished(session: Session, batch_id: str, completed: int, failed: int) -> None:
-    session.execute(COUNT_FINISHED, {"batch": batch_id, "completed": completed, "failed": failed})
+def count_finished(session: Session, batch_id: str, completed: int, failed: int) -> tuple[str, bool]:
+    """Add to the batch's counters; returns its status and whether every request has now finished."""
+    status, done = session.execute(COUNT_FINISHED, {"batch": batch_id, "completed": completed,
+                                                    "failed": failed}).one()
+    return status, bool(done)
+
+
+def count_and_settle(session: Session, batch_id: str, completed: int, failed: int, now: float) -> str | None:
+    """count_finished(), then settle() only where it could end the batch: most chunks of a batch are not its last,
+    and this runs for every chunk a worker finishes. Caller holds the batch's lock."""
+    status, done = count_finished(session, batch_id, completed, failed)
+    if (status == "in_progress" and done) or status == "cancelling":
+        return settle(session, batch_id, now)
+    return None
 
 
 def cancel_batch(session: Session, batch_id: str, tenant_id: int | None = None) -> Batch:

@@ -16,7 +16,7 @@ from sqlalchemy.orm import Session
 from api.models import Batch, Request, Result
 from api.store.batches import Work
 from api.store.common import batch_in, error_result, insert, lease_expired, lock_batches
-from api.store.lifecycle import count_finished, settle
+from api.store.lifecycle import count_and_settle, settle
 
 MAX_ATTEMPTS = 3  # workers that died running a request this many times: fail it rather than kill a fourth
 WORKER_LOST_STATUS_CODE = 500
@@ -52,8 +52,7 @@ def _fail_exhausted(session: Session, now: float) -> None:
                 "message": f"line {line}: the worker running this request stopped {attempts} times (killed or "
                            "crashed); it is not tried again"}, now)
             for request_id, line, attempts in rows])
-        count_finished(session, batch_id, 0, len(rows))
-        settle(session, batch_id, now)
+        count_and_settle(session, batch_id, 0, len(rows), now)
 
 
 def republish_stale(session: Session, older_than: float, models: list[str] | None = None) -> list[Work]:

@@ -204,3 +204,20 @@ def test_a_model_without_a_live_worker_stays_queued_and_says_so(cluster):
     batch_id = cluster.submit([completion(0, 4)])
     view = cluster.batch(batch_id)
     assert view["status"] == "in_progress" and view["waiting_for_worker"] is True
+
+
+def test_the_worker_rides_out_its_database_connections_being_killed(cluster):
+    """A Postgres restart or failover drops every connection: the worker's pool pings nothing before use, so the
+    next transaction hits a dead connection; it must retry on a fresh one, not fail the chunk or the worker."""
+    worker = cluster.start_worker("--max-num-seqs", "4")
+    batch_id = cluster.submit(long_batch(16, 60))
+    cluster.wait_finished(batch_id, 4)  # the worker's pool holds connections by now
+    with cluster.engine.connect() as c:
+        killed = c.execute(text("SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+                                "WHERE datname = current_database() AND pid <> pg_backend_pid()")).scalar()
+    assert killed >= 1
+    view = cluster.wait_status(batch_id, ("completed",), timeout=180)
+    assert view["request_counts"] == {"total": 16, "completed": 16, "failed": 0}
+    exactly_one_result_each(cluster, batch_id)
+    assert worker.poll() is None
+    assert "database error, retrying" in cluster.log_tail()
