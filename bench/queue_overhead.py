@@ -84,6 +84,7 @@ def through_the_queue(url: str, model: str, requests: list[dict], producers: int
     sessions = db.session_factory(engine)
     app = make_app(BROKER_URL)
     client = redis.Redis.from_url(BROKER_URL)
+    everything = os.sched_getaffinity(0)  # restored at the end, however the run ends
     try:
         while True:  # wait for the worker: its start-up is not what is measured
             with sessions.begin() as s:
@@ -91,16 +92,15 @@ def through_the_queue(url: str, model: str, requests: list[dict], producers: int
                     break
             time.sleep(0.2)
         time.sleep(1.0)
-        everything = os.sched_getaffinity(0)
         if split := split_cpus(default_engine_threads()):  # the worker pinned its engine to these CPUs
             pin_threads(split[0])  # the producers stand in for clients on other machines: off the engine's CPUs
         writes, commands = pg_writes(engine), redis_commands(client)
         batch_ids, messages, lock = [], [0], threading.Lock()
         share = -(-len(requests) // producers)
 
-        def produce(share: list[dict]) -> None:  # a producer submits its share as batches of batch_lines, in turn
-            for i in range(0, len(share), batch_lines):
-                data = "".join(json.dumps(line) + "\n" for line in share[i:i + batch_lines]).encode()
+        def produce(part: list[dict]) -> None:  # a producer submits its part as batches of batch_lines, in turn
+            for i in range(0, len(part), batch_lines):
+                data = "".join(json.dumps(line) + "\n" for line in part[i:i + batch_lines]).encode()
                 with sessions.begin() as s:
                     tenant = store.get_or_create_tenant(s, store.DEFAULT_TENANT)
                     file = store.store_file(s, tenant.id, "in.jsonl", "batch", data)
