@@ -25,6 +25,7 @@ from api.store.common import (
     held_or_free,
     lease_expired,
     lock_batches_of,
+    unindexed,
     update_requests,
 )
 from api.store.lifecycle import count_and_settle, settle
@@ -33,15 +34,17 @@ from api.store.usage import cost
 ACCEPTING = ("in_progress", "cancelling")  # batches whose running requests may still finish
 EXPIRES = bindparam("expires")
 CLAIM = (update_requests()
-         .where(Request.id.in_(IDS), (Request.status == "queued") | lease_expired(NOW), batch_in("in_progress"))
+         .where(Request.id.in_(IDS),
+                unindexed((Request.status == "queued") | lease_expired(NOW), batch_in("in_progress")))
          .values(status="running", attempts=Request.attempts + 1, lease_owner=OWNER, lease_expires_at=EXPIRES)
          .returning(Request.id, Request.batch_id, Request.custom_id, Request.line, Request.url, Request.body,
                     Request.attempts, Request.created_at))
 BATCH_MODELS = select(Batch.id, Batch.model, Batch.priority).where(Batch.id.in_(bindparam("batch_ids", expanding=True)))
 RENEW = (update_requests()
-         .where(Request.id.in_(IDS), Request.status == "running", Request.lease_owner == OWNER, batch_in("in_progress"))
+         .where(Request.id.in_(IDS),
+                unindexed(Request.status == "running", Request.lease_owner == OWNER, batch_in("in_progress")))
          .values(lease_expires_at=EXPIRES).returning(Request.id))
-FINISH = (update_requests().where(Request.id.in_(IDS), held_or_free(OWNER, NOW), batch_in(*ACCEPTING))
+FINISH = (update_requests().where(Request.id.in_(IDS), unindexed(held_or_free(OWNER, NOW), batch_in(*ACCEPTING)))
           .values(status=bindparam("new_status"), lease_owner=None, lease_expires_at=None)
           .returning(Request.id, Request.batch_id))
 INSERT_RESULTS = {name: module.insert(Result.__table__).on_conflict_do_nothing()
@@ -111,22 +114,26 @@ def release(session: Session, request_ids: list[int], worker_id: str) -> list[in
     """Give back requests the worker will not finish (graceful shutdown): running -> queued, or cancelled in a
     cancelling batch. Their message is still the one the worker holds: requeue it rather than ack it."""
     lock_batches_of(session, request_ids)
-    mine = (Request.id.in_(request_ids), Request.status == "running", Request.lease_owner == worker_id)
-    cleared = {"lease_owner": None, "lease_expires_at": None}
-    queued = session.scalars(update_requests().where(*mine, batch_in("in_progress"))
-                             .values(status="queued", **cleared).returning(Request.id)).all()
-    return sorted([*queued, *_cancel_running(session, mine)])
+    queued = session.scalars(_running_under(request_ids, worker_id, "in_progress")
+                             .values(status="queued", lease_owner=None, lease_expires_at=None)
+                             .returning(Request.id)).all()
+    return sorted([*queued, *_cancel_running(session, request_ids, worker_id)])
 
 
 def mark_cancelled(session: Session, request_ids: list[int], worker_id: str) -> list[int]:
     """Record that the worker aborted these running requests of cancelling batches; the last one ends the batch."""
     lock_batches_of(session, request_ids)
-    return _cancel_running(session, (Request.id.in_(request_ids), Request.status == "running",
-                                     Request.lease_owner == worker_id))
+    return _cancel_running(session, request_ids, worker_id)
 
 
-def _cancel_running(session: Session, conditions: tuple) -> list[int]:
-    rows = session.execute(update_requests().where(*conditions, batch_in("cancelling"))
+def _running_under(request_ids: list[int], worker_id: str, batch_status: str):
+    """An UPDATE of those of the requests that run under the worker's lease in a batch of that status."""
+    return update_requests().where(Request.id.in_(request_ids), unindexed(
+        Request.status == "running", Request.lease_owner == worker_id, batch_in(batch_status)))
+
+
+def _cancel_running(session: Session, request_ids: list[int], worker_id: str) -> list[int]:
+    rows = session.execute(_running_under(request_ids, worker_id, "cancelling")
                            .values(status="cancelled", lease_owner=None, lease_expires_at=None)
                            .returning(Request.id, Request.batch_id)).all()
     now = time.time()

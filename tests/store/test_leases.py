@@ -7,7 +7,7 @@ import threading
 from functools import partial
 
 import pytest
-from sqlalchemy import func, select
+from sqlalchemy import event, func, select, text
 from store_test_utils import batch_row, chat, failed, ok, statuses, submit
 
 from api import store
@@ -148,3 +148,33 @@ def test_result_must_have_a_response_or_an_error():
         store.RequestResult(1)
     with pytest.raises(ValueError, match="200 means a response"):
         store.RequestResult(1, error={"code": "x", "message": "m", "param": None})
+
+
+@pytest.mark.parametrize("engine", ["postgresql"], indirect=True)
+def test_a_chunks_statements_read_its_requests_by_primary_key_even_without_statistics(engine, sessions):
+    """Just after a big batch is inserted PostgreSQL has no statistics on it yet. The claim, renew and finish of a
+    chunk must still read their rows through the primary key: with the status and batch indexes instead, every
+    chunk read the index entries of every queued request of its batch."""
+    _, work = submit(sessions, [chat(f"r{i}") for i in range(5000)])
+    with engine.begin() as connection:
+        connection.execute(text("DELETE FROM pg_statistic WHERE starelid IN ('requests'::regclass, "
+                                "'batches'::regclass)"))
+    ids = work.request_ids[2000:2032]
+    plans = []
+
+    def explain(connection, cursor, statement, parameters, context, executemany):
+        if statement.startswith("UPDATE requests"):
+            cursor.execute("EXPLAIN " + statement, parameters)
+            plans.append("\n".join(row[0] for row in cursor.fetchall()))
+
+    event.listen(engine, "before_cursor_execute", explain)
+    try:
+        claim(sessions, ids, "w1")
+        with sessions.begin() as session:
+            assert store.renew_leases(session, ids, "w1", 60.0) == []
+        assert write(sessions, [ok(i) for i in ids], "w1") == ids
+    finally:
+        event.remove(engine, "before_cursor_execute", explain)
+    assert len(plans) == 3
+    for plan in plans:
+        assert "pk_requests" in plan and "ix_requests" not in plan and "uq_requests" not in plan, plan
