@@ -55,6 +55,9 @@ def insert(session: Session, model):
 # SQLAlchemy finds their compiled form by identity; built per call, each had its expression tree constructed, its
 # cache key derived and looked up again: most of the store's Python time per request (bench/queue_overhead.py).
 IDS = bindparam("ids", expanding=True)
+# Their columns are the tables', not the ORM's attributes: a statement naming a mapped class goes through the ORM's
+# statement handling on every execution, which cost about as much as the statement itself (bench/queue_overhead.py)
+REQUESTS, BATCHES = Request.__table__.c, Batch.__table__.c
 NOW = bindparam("now")
 OWNER = bindparam("owner")
 
@@ -71,8 +74,8 @@ def lock_batches(session: Session, batch_ids: Select | list[str]) -> list[str]:
     return list(rows)
 
 
-LOCK_BATCHES_OF = (select(Batch.id).where(Batch.id.in_(select(Request.batch_id).where(Request.id.in_(IDS))))
-                   .order_by(Batch.id).with_for_update())
+LOCK_BATCHES_OF = (select(BATCHES.id).where(BATCHES.id.in_(select(REQUESTS.batch_id).where(REQUESTS.id.in_(IDS))))
+                   .order_by(BATCHES.id).with_for_update())
 
 
 def lock_batches_of(session: Session, request_ids) -> list[str]:
@@ -81,9 +84,9 @@ def lock_batches_of(session: Session, request_ids) -> list[str]:
 
 
 def update_requests():
-    """An UPDATE of requests that skips the ORM's session synchronization: these paths hold no loaded Request
-    objects, and on a worker's hot path that bookkeeping costs more than the statement."""
-    return update(Request).execution_options(synchronize_session=False)
+    """A Core UPDATE of the requests table: these paths hold no loaded Request objects, so the ORM has nothing to
+    synchronize, and on a worker's hot path its handling costs more than the statement."""
+    return update(Request.__table__)
 
 
 def unindexed(*conditions) -> ColumnElement[bool]:
@@ -95,14 +98,14 @@ def unindexed(*conditions) -> ColumnElement[bool]:
 
 
 def batch_in(*statuses: str):
-    return Request.batch_id.in_(select(Batch.id).where(Batch.status.in_(statuses)))
+    return REQUESTS.batch_id.in_(select(BATCHES.id).where(BATCHES.status.in_(statuses)))
 
 
 def lease_expired(now: float):
-    return and_(Request.status == "running", Request.lease_expires_at < now)
+    return and_(REQUESTS.status == "running", REQUESTS.lease_expires_at < now)
 
 
 def held_or_free(worker_id: str, now: float):
     """Requests a worker may finish: running under its lease, never claimed, or abandoned by a dead worker."""
-    return or_(and_(Request.status == "running", Request.lease_owner == worker_id), Request.status == "queued",
+    return or_(and_(REQUESTS.status == "running", REQUESTS.lease_owner == worker_id), REQUESTS.status == "queued",
                lease_expired(now))

@@ -16,11 +16,13 @@ from sqlalchemy import bindparam, select
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
-from api.models import Batch, Request, Result
+from api.models import Result
 from api.store.common import (
+    BATCHES,
     IDS,
     NOW,
     OWNER,
+    REQUESTS,
     batch_in,
     held_or_free,
     lease_expired,
@@ -34,19 +36,20 @@ from api.store.usage import cost
 ACCEPTING = ("in_progress", "cancelling")  # batches whose running requests may still finish
 EXPIRES = bindparam("expires")
 CLAIM = (update_requests()
-         .where(Request.id.in_(IDS),
-                unindexed((Request.status == "queued") | lease_expired(NOW), batch_in("in_progress")))
-         .values(status="running", attempts=Request.attempts + 1, lease_owner=OWNER, lease_expires_at=EXPIRES)
-         .returning(Request.id, Request.batch_id, Request.custom_id, Request.line, Request.url, Request.body,
-                    Request.attempts, Request.created_at))
-BATCH_MODELS = select(Batch.id, Batch.model, Batch.priority).where(Batch.id.in_(bindparam("batch_ids", expanding=True)))
+         .where(REQUESTS.id.in_(IDS),
+                unindexed((REQUESTS.status == "queued") | lease_expired(NOW), batch_in("in_progress")))
+         .values(status="running", attempts=REQUESTS.attempts + 1, lease_owner=OWNER, lease_expires_at=EXPIRES)
+         .returning(REQUESTS.id, REQUESTS.batch_id, REQUESTS.custom_id, REQUESTS.line, REQUESTS.url, REQUESTS.body,
+                    REQUESTS.attempts, REQUESTS.created_at))
+BATCH_MODELS = (select(BATCHES.id, BATCHES.model, BATCHES.priority)
+                .where(BATCHES.id.in_(bindparam("batch_ids", expanding=True))))
 RENEW = (update_requests()
-         .where(Request.id.in_(IDS),
-                unindexed(Request.status == "running", Request.lease_owner == OWNER, batch_in("in_progress")))
-         .values(lease_expires_at=EXPIRES).returning(Request.id))
-FINISH = (update_requests().where(Request.id.in_(IDS), unindexed(held_or_free(OWNER, NOW), batch_in(*ACCEPTING)))
+         .where(REQUESTS.id.in_(IDS),
+                unindexed(REQUESTS.status == "running", REQUESTS.lease_owner == OWNER, batch_in("in_progress")))
+         .values(lease_expires_at=EXPIRES).returning(REQUESTS.id))
+FINISH = (update_requests().where(REQUESTS.id.in_(IDS), unindexed(held_or_free(OWNER, NOW), batch_in(*ACCEPTING)))
           .values(status=bindparam("new_status"), lease_owner=None, lease_expires_at=None)
-          .returning(Request.id, Request.batch_id))
+          .returning(REQUESTS.id, REQUESTS.batch_id))
 INSERT_RESULTS = {name: module.insert(Result.__table__).on_conflict_do_nothing()
                   for name, module in (("postgresql", postgresql), ("sqlite", sqlite))}
 
@@ -116,7 +119,7 @@ def release(session: Session, request_ids: list[int], worker_id: str) -> list[in
     lock_batches_of(session, request_ids)
     queued = session.scalars(_running_under(request_ids, worker_id, "in_progress")
                              .values(status="queued", lease_owner=None, lease_expires_at=None)
-                             .returning(Request.id)).all()
+                             .returning(REQUESTS.id)).all()
     return sorted([*queued, *_cancel_running(session, request_ids, worker_id)])
 
 
@@ -128,14 +131,14 @@ def mark_cancelled(session: Session, request_ids: list[int], worker_id: str) -> 
 
 def _running_under(request_ids: list[int], worker_id: str, batch_status: str):
     """An UPDATE of those of the requests that run under the worker's lease in a batch of that status."""
-    return update_requests().where(Request.id.in_(request_ids), unindexed(
-        Request.status == "running", Request.lease_owner == worker_id, batch_in(batch_status)))
+    return update_requests().where(REQUESTS.id.in_(request_ids), unindexed(
+        REQUESTS.status == "running", REQUESTS.lease_owner == worker_id, batch_in(batch_status)))
 
 
 def _cancel_running(session: Session, request_ids: list[int], worker_id: str) -> list[int]:
     rows = session.execute(_running_under(request_ids, worker_id, "cancelling")
                            .values(status="cancelled", lease_owner=None, lease_expires_at=None)
-                           .returning(Request.id, Request.batch_id)).all()
+                           .returning(REQUESTS.id, REQUESTS.batch_id)).all()
     now = time.time()
     for batch_id in sorted({batch_id for _, batch_id in rows}):
         settle(session, batch_id, now)

@@ -14,7 +14,7 @@ from sqlalchemy import bindparam, exists, select, update
 from sqlalchemy.orm import Session
 
 from api.models import Batch, Request, Result
-from api.store.common import NOW, Conflict, NotFound, error_result, insert, lease_expired, lock_batches
+from api.store.common import BATCHES, NOW, Conflict, NotFound, error_result, insert, lease_expired, lock_batches
 from api.store.webhooks import notify
 
 EXPIRED_MESSAGE = "this request could not be executed before the completion window expired"
@@ -30,10 +30,10 @@ END_CANCELLING = (update(Batch).execution_options(synchronize_session=False)
                   .where(Batch.id == BATCH, Batch.status == "cancelling",
                          ~exists().where(Request.batch_id == BATCH, Request.status.in_(("queued", "running"))))
                   .values(status="cancelled", cancelled_at=NOW).returning(Batch.tenant_id))
-COUNT_FINISHED = (update(Batch).execution_options(synchronize_session=False).where(Batch.id == BATCH).values(
-    request_completed=Batch.request_completed + bindparam("completed"),
-    request_failed=Batch.request_failed + bindparam("failed"))
-    .returning(Batch.status, Batch.request_completed + Batch.request_failed >= Batch.request_total))
+COUNT_FINISHED = (update(Batch.__table__).where(BATCHES.id == BATCH).values(
+    request_completed=BATCHES.request_completed + bindparam("completed"),
+    request_failed=BATCHES.request_failed + bindparam("failed"))
+    .returning(BATCHES.status, BATCHES.request_completed + BATCHES.request_failed >= BATCHES.request_total))
 
 
 def settle(session: Session, batch_id: str, now: float) -> str | None:
