@@ -8,6 +8,7 @@ when the worker asks it to, or when the request pipe closes because the worker d
 
 from __future__ import annotations
 
+import gc
 import signal
 import time
 from collections.abc import Callable
@@ -146,7 +147,16 @@ def run_engine(build: Callable[[], LLMEngine], requests: Connection, reports: Co
     if pinned:
         pin_threads(cpus)  # OpenMP's pool may already exist (building ran parallel ops): every thread, not just this
     reports.send(Ready(str(engine.path), engine.config, engine.block_manager.num_blocks, pinned))
+    freeze_heap()
     EngineCore(engine, requests, reports, window_seconds).loop()
+
+
+def freeze_heap() -> None:
+    """Leave everything alive now (modules, the model, the tokenizer) out of every later garbage collection: the
+    full collections that the steady stream of requests triggers would otherwise walk it all, between steps or
+    inside them (the engine spent 0.56 s of 11 s of a queue bench's run collecting; 0.09 s frozen)."""
+    gc.collect()
+    gc.freeze()
 
 
 def _send_failure(reports: Connection, error: BaseException) -> None:

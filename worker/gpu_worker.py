@@ -29,7 +29,7 @@ from api.schemas import BODIES, response_body
 from api.webhooks import publish_deliveries
 from worker.bridge import EngineBridge
 from worker.engine import LLMEngine, RequestOutput, RequestRejected
-from worker.engine_core import EfficiencyWindow, Submit
+from worker.engine_core import EfficiencyWindow, Submit, freeze_heap
 from worker.metrics import EngineMetrics
 from worker.reconcile import STALE_SECONDS, reconcile_once
 from worker.translate import PromptError, Responses, engine_inputs
@@ -84,6 +84,7 @@ class GpuWorker:
         if self.settings.metrics_port is not None:
             self.metrics.serve(self.settings.metrics_port)
         self._heartbeat("running")
+        freeze_heap()  # the worker's own heap (Celery, SQLAlchemy, transformers) likewise
         self._maintenance.start()
         return self
 
