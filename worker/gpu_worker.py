@@ -84,7 +84,7 @@ class GpuWorker:
         if self.settings.metrics_port is not None:
             self.metrics.serve(self.settings.metrics_port)
         self._heartbeat("running")
-        freeze_heap()  # the worker's own heap (Celery, SQLAlchemy, transformers) likewise
+        freeze_heap()  # the worker's own heap (Celery, SQLAlchemy, transformers) likewise; not measured apart
         self._maintenance.start()
         return self
 

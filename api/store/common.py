@@ -55,11 +55,11 @@ def insert(session: Session, model):
 # SQLAlchemy finds their compiled form by identity; built per call, each had its expression tree constructed, its
 # cache key derived and looked up again: most of the store's Python time per request (bench/queue_overhead.py).
 IDS = bindparam("ids", expanding=True)
-# Their columns are the tables', not the ORM's attributes: a statement naming a mapped class goes through the ORM's
-# statement handling on every execution, which cost about as much as the statement itself (bench/queue_overhead.py)
-REQUESTS, BATCHES = Request.__table__.c, Batch.__table__.c
 NOW = bindparam("now")
 OWNER = bindparam("owner")
+# They name the tables' columns, not the ORM's attributes: a statement naming a mapped class goes through the ORM's
+# statement handling on every execution, which cost about as much as the statement itself (bench/queue_overhead.py)
+REQUESTS, BATCHES = Request.__table__.c, Batch.__table__.c
 
 
 def lock_batches(session: Session, batch_ids: Select | list[str]) -> list[str]:
@@ -89,12 +89,13 @@ def update_requests():
     return update(Request.__table__)
 
 
-def unindexed(*conditions) -> ColumnElement[bool]:
-    """The conditions as one CASE expression, which no index can serve. Statements that name their requests by id
-    AND these conditions then always read those rows through the primary key, whatever the planner's statistics say:
-    with none yet (a batch just inserted), PostgreSQL read the whole batch's status and batch_id index entries for
-    every chunk instead (8-15 ms per statement instead of about 1, most of its CPU in bench/queue_overhead.py)."""
-    return case((and_(*conditions), True), else_=False)
+def by_id(ids, *conditions) -> ColumnElement[bool]:
+    """The requests named by `ids` (a list or IDS) that meet the conditions, always read through the primary key,
+    whatever the planner's statistics say: the conditions go into one CASE expression, which no index can serve.
+    With no statistics yet (a batch just inserted), PostgreSQL read the whole batch's status and batch_id index
+    entries for every chunk instead (8-15 ms per statement instead of about 1, most of its CPU in
+    bench/queue_overhead.py)."""
+    return and_(REQUESTS.id.in_(ids), case((and_(*conditions), True), else_=False))
 
 
 def batch_in(*statuses: str):

@@ -24,10 +24,10 @@ from api.store.common import (
     OWNER,
     REQUESTS,
     batch_in,
+    by_id,
     held_or_free,
     lease_expired,
     lock_batches_of,
-    unindexed,
     update_requests,
 )
 from api.store.lifecycle import count_and_settle, settle
@@ -36,18 +36,16 @@ from api.store.usage import cost
 ACCEPTING = ("in_progress", "cancelling")  # batches whose running requests may still finish
 EXPIRES = bindparam("expires")
 CLAIM = (update_requests()
-         .where(REQUESTS.id.in_(IDS),
-                unindexed((REQUESTS.status == "queued") | lease_expired(NOW), batch_in("in_progress")))
+         .where(by_id(IDS, (REQUESTS.status == "queued") | lease_expired(NOW), batch_in("in_progress")))
          .values(status="running", attempts=REQUESTS.attempts + 1, lease_owner=OWNER, lease_expires_at=EXPIRES)
          .returning(REQUESTS.id, REQUESTS.batch_id, REQUESTS.custom_id, REQUESTS.line, REQUESTS.url, REQUESTS.body,
                     REQUESTS.attempts, REQUESTS.created_at))
 BATCH_MODELS = (select(BATCHES.id, BATCHES.model, BATCHES.priority)
                 .where(BATCHES.id.in_(bindparam("batch_ids", expanding=True))))
 RENEW = (update_requests()
-         .where(REQUESTS.id.in_(IDS),
-                unindexed(REQUESTS.status == "running", REQUESTS.lease_owner == OWNER, batch_in("in_progress")))
+         .where(by_id(IDS, REQUESTS.status == "running", REQUESTS.lease_owner == OWNER, batch_in("in_progress")))
          .values(lease_expires_at=EXPIRES).returning(REQUESTS.id))
-FINISH = (update_requests().where(REQUESTS.id.in_(IDS), unindexed(held_or_free(OWNER, NOW), batch_in(*ACCEPTING)))
+FINISH = (update_requests().where(by_id(IDS, held_or_free(OWNER, NOW), batch_in(*ACCEPTING)))
           .values(status=bindparam("new_status"), lease_owner=None, lease_expires_at=None)
           .returning(REQUESTS.id, REQUESTS.batch_id))
 INSERT_RESULTS = {name: module.insert(Result.__table__).on_conflict_do_nothing()
@@ -131,8 +129,8 @@ def mark_cancelled(session: Session, request_ids: list[int], worker_id: str) -> 
 
 def _running_under(request_ids: list[int], worker_id: str, batch_status: str):
     """An UPDATE of those of the requests that run under the worker's lease in a batch of that status."""
-    return update_requests().where(REQUESTS.id.in_(request_ids), unindexed(
-        REQUESTS.status == "running", REQUESTS.lease_owner == worker_id, batch_in(batch_status)))
+    return update_requests().where(by_id(request_ids, REQUESTS.status == "running",
+                                         REQUESTS.lease_owner == worker_id, batch_in(batch_status)))
 
 
 def _cancel_running(session: Session, request_ids: list[int], worker_id: str) -> list[int]:
