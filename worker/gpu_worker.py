@@ -21,7 +21,6 @@ from dataclasses import dataclass
 
 from celery import Celery
 from pydantic import ValidationError
-from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
 from api import models, store
@@ -32,10 +31,10 @@ from worker.engine import LLMEngine, RequestOutput, RequestRejected
 from worker.engine_core import EfficiencyWindow, Submit, freeze_heap
 from worker.metrics import EngineMetrics
 from worker.reconcile import STALE_SECONDS, reconcile_once
+from worker.retry import retry_transient
 from worker.translate import PromptError, Responses, engine_inputs
 
 log = logging.getLogger(__name__)
-DB_ATTEMPTS = 5  # transient database errors (a restart, a deadlock victim) are retried with backoff
 RENEW_SECONDS = 5.0  # renewing leases also tells the worker what to abort (cancelled batches): a cancel acts this fast
 
 
@@ -218,23 +217,14 @@ class GpuWorker:
     def _db(self, work):
         """Run `work(session)` in a transaction, retrying transient database errors with backoff; webhooks the
         transaction wrote (a batch finished or was cancelled) are published once it has committed."""
-        for attempt in range(DB_ATTEMPTS):
-            try:
-                with self.sessions.begin() as session:
-                    result = work(session)
-                    deliveries = store.new_deliveries(session)
-                if deliveries:
-                    publish_deliveries(self.app, deliveries)
-                return result
-            except DBAPIError as e:
-                if attempt == DB_ATTEMPTS - 1 or not (e.connection_invalidated or _transient(e)):
-                    raise
-                log.warning("database error, retrying: %s", e.orig)
-                time.sleep(0.2 * 2 ** attempt)
-
-
-def _transient(e: DBAPIError) -> bool:
-    return isinstance(e, OperationalError) or "deadlock" in str(e.orig).lower()
+        def transaction():
+            with self.sessions.begin() as session:
+                result = work(session)
+                deliveries = store.new_deliveries(session)
+            if deliveries:
+                publish_deliveries(self.app, deliveries)
+            return result
+        return retry_transient(transaction)
 
 
 def _error(c: store.Claimed, code: str, message: str, param: str | None) -> store.RequestResult:

@@ -17,6 +17,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from api import store
 from api.queue import model_queue, publish_chunks, queue_depth
 from api.webhooks import publish_deliveries
+from worker.retry import retry_transient
 
 log = logging.getLogger(__name__)
 STALE_SECONDS = 30.0  # a queued request published this long ago, in an empty queue, has lost its message
@@ -24,12 +25,15 @@ STALE_SECONDS = 30.0  # a queued request published this long ago, in an empty qu
 
 def reconcile_once(sessions: sessionmaker[Session], app: Celery, stale_seconds: float = STALE_SECONDS) -> int:
     """Returns the number of chunk messages published."""
-    with sessions.begin() as session:
-        expired = store.expire_batches(session)
-        work = store.recover_expired_leases(session)
-        idle = [m for m in store.models_with_queued_requests(session) if queue_depth(app, model_queue(m)) == 0]
-        work += store.republish_stale(session, stale_seconds, models=idle)
-        deliveries = list(dict.fromkeys(store.new_deliveries(session) + store.due_deliveries(session, time.time())))
+    def transaction():
+        with sessions.begin() as session:
+            expired = store.expire_batches(session)
+            work = store.recover_expired_leases(session)
+            idle = [m for m in store.models_with_queued_requests(session) if queue_depth(app, model_queue(m)) == 0]
+            work += store.republish_stale(session, stale_seconds, models=idle)
+            deliveries = store.new_deliveries(session) + store.due_deliveries(session, time.time())
+        return expired, work, list(dict.fromkeys(deliveries))
+    expired, work, deliveries = retry_transient(transaction)
     sent = publish_chunks(app, work) if work else 0
     publish_deliveries(app, deliveries)
     if expired or sent:

@@ -115,6 +115,9 @@ class Cluster:
     def log_tail(self) -> str:
         return "\n".join(f"--- {p.name}\n" + p.read_text()[-3000:] for p in sorted(self.logs.glob("*.log")))
 
+    def log_text(self) -> str:
+        return "\n".join(p.read_text() for p in sorted(self.logs.glob("*.log")))
+
     def stop(self) -> None:
         for proc in self.workers:
             if proc.poll() is None:

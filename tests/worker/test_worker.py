@@ -220,4 +220,5 @@ def test_the_worker_rides_out_its_database_connections_being_killed(cluster):
     assert view["request_counts"] == {"total": 16, "completed": 16, "failed": 0}
     exactly_one_result_each(cluster, batch_id)
     assert worker.poll() is None
-    assert "database error, retrying" in cluster.log_tail()
+    # whichever thread meets a dead connection first (a chunk's write, the heartbeat, the reconciler) retries it
+    assert "database error, retrying" in cluster.log_text(), cluster.log_tail()
