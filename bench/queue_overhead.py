@@ -26,7 +26,7 @@ from sqlalchemy import create_engine, func, select, text
 from api import db, models, store
 from api.queue import make_app, publish_chunks
 from worker.bridge import default_engine_threads
-from worker.cpus import pin_threads, split_cpus
+from worker.cpus import pin_threads
 from worker.engine import LLM, SamplingParams
 
 ADMIN_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
@@ -92,8 +92,8 @@ def through_the_queue(url: str, model: str, requests: list[dict], producers: int
                     break
             time.sleep(0.2)
         time.sleep(1.0)
-        if split := split_cpus(default_engine_threads()):  # the worker pinned its engine to these CPUs
-            pin_threads(split[0])  # the producers stand in for clients on other machines: off the engine's CPUs
+        if (kept := os.sched_getaffinity(worker.pid)) < everything:  # a CPU engine: the worker left it its CPUs
+            pin_threads(kept)  # the producers stand in for clients on other machines: off the engine's CPUs
         writes, commands = pg_writes(engine), redis_commands(client)
         batch_ids, messages, lock = [], [0], threading.Lock()
         share = -(-len(requests) // producers)

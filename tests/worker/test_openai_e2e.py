@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -114,6 +115,18 @@ def test_openai_sdk_end_to_end(cluster, live, llama_dir):
     assert doomed.request_counts.completed < 40 and doomed.cancelled_at is not None
 
 
+def thread_cpus(pid: int) -> list[set[int]]:
+    return [os.sched_getaffinity(int(tid)) for tid in os.listdir(f"/proc/{pid}/task")]
+
+
+def engine_child(pid: int) -> int:
+    """The engine's process among `pid`'s children (multiprocessing's resource tracker is one too)."""
+    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    spawned = [int(c) for c in children if "spawn_main" in Path(f"/proc/{c}/cmdline").read_text()]
+    assert len(spawned) == 1, children
+    return spawned[0]
+
+
 def test_sluice_serve_on_sqlite_with_the_sdk(tmp_path, llama_dir):
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLUICE_")}
@@ -131,6 +144,9 @@ def test_sluice_serve_on_sqlite_with_the_sdk(tmp_path, llama_dir):
                 pass
             assert proc.poll() is None, (tmp_path / "serve.log").read_text()
             time.sleep(0.2)
+        if len(os.sched_getaffinity(0)) > 1:  # the API's threads keep off the CPU engine's CPUs, as the worker's do
+            engine, serving = engine_child(proc.pid), thread_cpus(proc.pid)
+            assert not set().union(*thread_cpus(engine)) & set().union(*serving), (engine, serving)
         key = (tmp_path / "data" / "api_key").read_text().strip()
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=key, max_retries=0)
         lines = [chat_line(i, 3 + i) for i in range(6)]
