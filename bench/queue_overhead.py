@@ -51,7 +51,7 @@ def engine_alone(model: str, requests: list[dict], threads: int) -> tuple[float,
     tokens = running = 0
     while llm.has_unfinished_requests():
         tokens += len(llm.step())
-        running += llm.last_step.num_seqs
+        running += llm.last_step.num_seqs if llm.last_step else 0
     seconds, steps = time.perf_counter() - start, llm.stats()["num_steps"]
     return seconds, tokens, {"steps": steps, "mean_running": running / steps, "busy": llm.busy_seconds}
 

@@ -46,6 +46,25 @@ def test_step_level_engine_streams_progress(llm):
     assert finished["a"].prompt_token_ids == llm.tokenizer.encode("one two three")
 
 
+def test_a_step_can_return_only_the_finished_requests(llm):
+    """The worker's engine process streams nothing: it asks for finished outputs only, and gets the same ones."""
+    def run(finished_only: bool) -> tuple[list, list[int]]:
+        for i, n in enumerate((2, 5, 3)):
+            llm.add_request([5 + i, 6, 7], SamplingParams(max_tokens=n, temperature=0, ignore_eos=True), f"r{i}")
+        outs, generated = [], []
+        while llm.has_unfinished_requests():
+            outs += llm.step(finished_only=finished_only)
+            generated.append(llm.last_step.num_generated)
+        return outs, generated
+
+    everything, generated = run(False)
+    finished, generated_too = run(True)
+    assert all(o.finished for o in finished) and len(finished) == 3 < len(everything)
+    assert [(o.request_id, o.token_ids) for o in finished] == [(o.request_id, o.token_ids) for o in everything
+                                                             if o.finished]
+    assert generated == generated_too and sum(generated) == 2 + 5 + 3
+
+
 def test_too_long_requests_are_rejected_and_others_go_on(llm):
     params = SamplingParams(max_tokens=100, temperature=0)
     with pytest.raises(RequestRejected, match=r"plus max_tokens \(100\) is .* more than max_model_len \(128\)"):

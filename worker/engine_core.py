@@ -218,9 +218,8 @@ class EngineCore:
     def _step(self) -> None:
         engine = self.engine
         before = dict(engine.counters)
-        outputs = engine.step()
+        finished = engine.step(finished_only=True)  # outputs of unfinished requests would only be dropped here
         delta = {k: v - before[k] for k, v in engine.counters.items()}
-        finished = [out for out in outputs if out.finished]
         self.report.finished += finished
         record = engine.last_step
         if record is None:
@@ -229,7 +228,7 @@ class EngineCore:
         bm = engine.block_manager
         self.report.step = StepStats(
             record.seconds, len(engine.scheduler.running), engine.scheduler.num_waiting, bm.num_used_blocks,
-            bm.num_blocks, len(outputs), delta["num_prefill_tokens"], delta["num_preemptions"],
+            bm.num_blocks, record.num_generated, delta["num_prefill_tokens"], delta["num_preemptions"],
             [(o.metrics.first_token_time - o.metrics.arrival_time, o.metrics.finish_time - o.metrics.arrival_time)
              for o in finished if o.metrics.first_token_time is not None])
 

@@ -30,6 +30,7 @@ class StepRecord:
     num_tokens: int
     seconds: float
     kv_blocks_used: int
+    num_generated: int = 0  # sequences that gained a token
 
 
 def resolve_model(model: str) -> Path:
@@ -136,11 +137,13 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_work()
 
-    def step(self) -> list[RequestOutput]:
-        """Run one iteration; return an output for every request that gained a token (finished or not)."""
+    def step(self, finished_only: bool = False) -> list[RequestOutput]:
+        """Run one iteration; return an output for every request that gained a token (finished or not), or only
+        for those that finished (a caller that streams nothing: the worker's engine process)."""
         start = time.perf_counter()
         plan = self.scheduler.schedule()
         if not plan.scheduled:
+            self.last_step = None  # nothing ran: no record for the caller to count again
             return []
         logits, sample_seqs = self.runner.run(plan.scheduled)
         tokens, logprobs = sample(logits, sample_seqs) if sample_seqs else ([], [])
@@ -158,12 +161,13 @@ class LLMEngine:
         for seq, n in plan.scheduled:
             seq.gpu_seconds += elapsed * n / total
         self.busy_seconds += elapsed
-        self.last_step = StepRecord(len(plan.scheduled), total, elapsed, self.block_manager.num_used_blocks)
+        self.last_step = StepRecord(len(plan.scheduled), total, elapsed, self.block_manager.num_used_blocks,
+                                    len(sample_seqs))
         self.counters["num_steps"] += 1
         self.counters["num_preemptions"] += len(plan.preempted)
         self.counters["prefix_cache_queries"] += plan.prefix_queries
         self.counters["prefix_cache_hits"] += plan.prefix_hits
-        outputs = [RequestOutput.from_seq(seq) for seq in sample_seqs]
+        outputs = [RequestOutput.from_seq(seq) for seq in sample_seqs if seq.is_finished or not finished_only]
         for seq in sample_seqs:
             if seq.is_finished:
                 del self.requests[seq.request_id]
