@@ -50,8 +50,10 @@ def engine_alone(model: str, requests: list[dict], threads: int) -> tuple[float,
                         SamplingParams(max_tokens=body["max_tokens"], temperature=0, ignore_eos=True))
     tokens = running = 0
     while llm.has_unfinished_requests():
-        tokens += len(llm.step())
-        running += llm.last_step.num_seqs if llm.last_step else 0
+        llm.step(finished_only=True)  # as the worker's engine process steps: no outputs of unfinished requests
+        if llm.last_step is not None:
+            tokens += llm.last_step.num_generated
+            running += llm.last_step.num_seqs
     seconds, steps = time.perf_counter() - start, llm.stats()["num_steps"]
     return seconds, tokens, {"steps": steps, "mean_running": running / steps, "busy": llm.busy_seconds}
 

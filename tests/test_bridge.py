@@ -164,10 +164,6 @@ def test_cpus_split_between_engine_and_worker(monkeypatch):
     assert split_cpus(1) is None
 
 
-def _thread_cpus(pid: int) -> set[frozenset[int]]:
-    return {frozenset(os.sched_getaffinity(int(tid))) for tid in os.listdir(f"/proc/{pid}/task")}
-
-
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="pinning needs two CPUs")
 def test_a_pinned_cpu_engine_and_its_worker_share_no_cpu(llama_dir, tmp_path):
     """Every thread of the engine process (OpenMP's included) on the last CPU, every thread of the worker on the
@@ -177,7 +173,8 @@ def test_a_pinned_cpu_engine_and_its_worker_share_no_cpu(llama_dir, tmp_path):
         from functools import partial
         from worker.bridge import EngineBridge
         from worker.engine import LLMEngine, SamplingParams
-        from tests.test_bridge import _thread_cpus, prompts, ENGINE, PARAMS
+        from tests.processes import thread_cpus
+        from tests.test_bridge import prompts, ENGINE, PARAMS
         if __name__ == "__main__":
             bridge = EngineBridge(partial(LLMEngine, {str(llama_dir)!r}, **ENGINE), threads=1, pin_cpus=True).start()
             release = threading.Event()
@@ -185,8 +182,8 @@ def test_a_pinned_cpu_engine_and_its_worker_share_no_cpu(llama_dir, tmp_path):
             later.start()
             futures = [bridge.submit(f"p{{i}}", p, PARAMS) for i, p in enumerate(prompts(12))]
             tokens = [f.result(timeout=60).token_ids for f in futures]
-            engine = [sorted(c) for c in _thread_cpus(bridge.process.pid)]
-            worker = [sorted(c) for c in _thread_cpus(os.getpid())]
+            engine = [sorted(c) for c in thread_cpus(bridge.process.pid)]
+            worker = [sorted(c) for c in thread_cpus(os.getpid())]
             print(json.dumps(dict(pinned=bridge.pinned, engine=engine, worker=worker, tokens=tokens)), flush=True)
             release.set()
             later.join()

@@ -8,11 +8,11 @@ import os
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import httpx
 import openai
 import pytest
+from processes import engine_child, thread_cpus
 from servers import Receiver, free_port, serve_app
 
 from api import store
@@ -113,18 +113,6 @@ def test_openai_sdk_end_to_end(cluster, live, llama_dir):
     assert client.batches.cancel(doomed.id).status in ("cancelling", "cancelled")
     doomed = wait_for(client, doomed.id, ("cancelled",), timeout=60)
     assert doomed.request_counts.completed < 40 and doomed.cancelled_at is not None
-
-
-def thread_cpus(pid: int) -> list[set[int]]:
-    return [os.sched_getaffinity(int(tid)) for tid in os.listdir(f"/proc/{pid}/task")]
-
-
-def engine_child(pid: int) -> int:
-    """The engine's process among `pid`'s children (multiprocessing's resource tracker is one too)."""
-    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-    spawned = [int(c) for c in children if "spawn_main" in Path(f"/proc/{c}/cmdline").read_text()]
-    assert len(spawned) == 1, children
-    return spawned[0]
 
 
 def test_sluice_serve_on_sqlite_with_the_sdk(tmp_path, llama_dir):
