@@ -14,10 +14,11 @@ def start(tokenizer, seq: Sequence) -> None:
     seq.read_offset = len(seq.detok_tokens)
 
 
-def append(tokenizer, seq: Sequence, token_id: int) -> str:
-    """Add one generated token; return the text it completes (empty while a multi-byte character is split)."""
+def append(tokenizer, seq: Sequence, token_id: int, special_ids: frozenset[int]) -> str:
+    """Add one generated token; return the text it completes (empty while a multi-byte character is split).
+    `special_ids` is the tokenizer's all_special_ids, taken once: the property rebuilds its list on every read."""
     token = tokenizer.convert_ids_to_tokens(token_id)
-    if token is None or token_id in tokenizer.all_special_ids:  # None: ids past the tokenizer (padded vocab)
+    if token is None or token_id in special_ids:  # None: ids past the tokenizer (padded vocab)
         return ""
     seq.detok_tokens.append(token)
     prefix = tokenizer.convert_tokens_to_string(seq.detok_tokens[seq.prefix_offset:seq.read_offset])
