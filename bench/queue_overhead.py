@@ -126,7 +126,8 @@ def through_the_queue(url: str, model: str, requests: list[dict], producers: int
             time.sleep(0.2)
         time.sleep(1.0)
         if (kept := os.sched_getaffinity(worker.pid)) < everything:  # a CPU engine: the worker left it its CPUs
-            pin_threads(kept)  # the producers stand in for clients on other machines: off the engine's CPUs
+            pin_threads(kept)  # the producers (spawned below, they inherit it) stand in for clients on other
+            # machines: off the engine's CPUs
         # The producers are processes, as clients are: threads of this one would queue for its GIL behind each
         # other's validation, and a batch's 40 publishes then took 1.6 s instead of milliseconds.
         with sessions.begin() as s:  # the tenant exists, as a client's does: else each producer's first insert of
