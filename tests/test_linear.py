@@ -6,14 +6,14 @@ import torch
 import torch.nn.functional as F
 
 from worker.engine import LLM
-from worker.engine.linear import DENSE, ONEDNN_FLOAT32, Linear, PackedFloat32, can_pack_float32
+from worker.engine.linear import DENSE, ONEDNN_FLOAT32, Linear, PackedFloat32, bucket_rows, can_pack_float32
 
 needs_onednn = pytest.mark.skipif(not can_pack_float32(torch.empty(1)), reason="PyTorch built without oneDNN")
 
 
 @needs_onednn
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("rows", [1, 3, 16, 64, 65, 300])
+@pytest.mark.parametrize("rows", [1, 3, 16, 17, 64, 65, 300, 513, 2049])
 def test_packed_matches_dense(rows, bias):
     torch.manual_seed(rows)
     layer = Linear(96, [40, 17], bias=bias)
@@ -30,6 +30,33 @@ def test_packed_matches_dense(rows, bias):
     assert got.shape == want.shape
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
+
+def test_row_buckets_are_few_and_pad_little():
+    sizes = {bucket_rows(rows) for rows in range(1, 4097)}
+    assert len(sizes) <= 128  # with ~5 projection shapes, well inside oneDNN's 1024 cached primitives
+    for rows in range(1, 8193):
+        padded = bucket_rows(rows)
+        assert padded >= rows and bucket_rows(padded) == padded  # a bucket size maps to itself
+        assert padded == rows if rows <= 16 else padded % 8 == 0
+        if rows > 256:
+            assert padded - rows <= rows / 16
+
+
+@needs_onednn
+def test_padded_rows_do_not_leak_into_the_result():
+    """A row count between buckets runs padded with zero rows: the result has exactly the input's rows, each equal
+    to the unpadded product, with the bias added once."""
+    torch.manual_seed(0)
+    layer = Linear(32, [24], bias=True)
+    torch.nn.init.normal_(layer.weight)
+    torch.nn.init.normal_(layer.bias)
+    layer.method = ONEDNN_FLOAT32
+    for rows in (17, 100, 257, 1000):
+        assert bucket_rows(rows) > rows
+        x = torch.randn(rows, 32)
+        got = layer(x)
+        assert got.shape == (rows, 24) and got.is_contiguous()
+        torch.testing.assert_close(got, F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
 
 
 @needs_onednn
