@@ -130,8 +130,10 @@ def through_the_queue(url: str, model: str, requests: list[dict], producers: int
                     break
             time.sleep(0.2)
         time.sleep(1.0)
-        if pin_producers and (kept := os.sched_getaffinity(worker.pid)) < everything:  # a CPU engine's CPUs
-            pin_threads(kept)  # are left out of the worker's: the producers (spawned below) inherit the worker's
+        # --pin-producers: the producers (spawned below, they inherit this process's CPUs) get the worker's CPUs,
+        # which a CPU engine's pinning left off the engine's
+        if pin_producers and (kept := os.sched_getaffinity(worker.pid)) < everything:
+            pin_threads(kept)
         # The producers are processes, as clients are: threads of this one would queue for its GIL behind each
         # other's validation, and a batch's 40 publishes then took 1.6 s instead of milliseconds.
         with sessions.begin() as s:  # the tenant exists, as a client's does: else each producer's first insert of

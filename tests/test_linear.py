@@ -37,7 +37,7 @@ def test_row_buckets_are_few_and_pad_little():
     for rows in range(1, 8193):
         padded = bucket_rows(rows)
         assert padded >= rows and bucket_rows(padded) == padded  # a bucket size maps to itself
-        assert padded == rows if rows <= 16 else padded % 8 == 0
+        assert (padded == rows) if rows <= 16 else (padded % 8 == 0)
         if rows > 256:
             assert padded - rows <= rows / 16
 
