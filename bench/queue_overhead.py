@@ -13,6 +13,7 @@ import argparse
 import json
 import multiprocessing
 import os
+import queue
 import subprocess
 import sys
 import time
@@ -84,9 +85,7 @@ def redis_commands(client: redis.Redis) -> int:
 
 def _submit(session, part: list[dict]):
     data = "".join(json.dumps(line) + "\n" for line in part).encode()
-    tenant = store.get_or_create_tenant(session, store.DEFAULT_TENANT)
-    file = store.store_file(session, tenant.id, "in.jsonl", "batch", data)
-    return store.create_batch(session, tenant.id, file.id, model="bench")
+    return store.submit_jsonl(session, store.DEFAULT_TENANT, "in.jsonl", data, model="bench")
 
 
 def produce(url: str, part: list[dict], batch_lines: int, go, replies, leave) -> None:
@@ -113,6 +112,29 @@ def produce(url: str, part: list[dict], batch_lines: int, go, replies, leave) ->
     leave.wait()
 
 
+def check_alive(worker: subprocess.Popen, procs) -> None:
+    """Raise, naming it, if the worker or a producer has died: else the bench would wait out its timeouts."""
+    if worker.poll() is not None:
+        raise RuntimeError(f"the worker exited with code {worker.returncode}; its log is above")
+    for p in procs:
+        if p.exitcode is not None:  # producers stay alive until `leave` is set
+            raise RuntimeError(f"producer {p.name} exited with code {p.exitcode}; its traceback is above")
+
+
+def collect(replies, worker: subprocess.Popen, procs, timeout: float) -> list:
+    """One reply from each producer, checking every half second that nobody died."""
+    got, deadline = [], time.monotonic() + timeout
+    while len(got) < len(procs):
+        try:
+            got.append(replies.get(timeout=0.5))
+        except queue.Empty:
+            check_alive(worker, procs)
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{len(procs) - len(got)} of {len(procs)} producers did not reply in {timeout:.0f} s"
+                                   ) from None
+    return got
+
+
 def through_the_queue(url: str, model: str, requests: list[dict], producers: int, batch_lines: int,
                       pin_producers: bool) -> dict:
     env = {**os.environ, "SLUICE_DATABASE_URL": url, "SLUICE_BROKER_URL": BROKER_URL}
@@ -128,6 +150,7 @@ def through_the_queue(url: str, model: str, requests: list[dict], producers: int
             with sessions.begin() as s:
                 if store.live_workers(s, "bench"):
                     break
+            check_alive(worker, [])
             time.sleep(0.2)
         time.sleep(1.0)
         # --pin-producers: the producers (spawned below, they inherit this process's CPUs) get the worker's CPUs,
@@ -145,12 +168,11 @@ def through_the_queue(url: str, model: str, requests: list[dict], producers: int
                              daemon=True) for i in range(0, len(requests), share)]
         for p in procs:
             p.start()
-        for _ in procs:
-            replies.get(timeout=300)  # connected and waiting: their start-up is not what is measured
+        collect(replies, worker, procs, 300)  # connected and waiting: their start-up is not what is measured
         writes, commands = pg_writes(engine), redis_commands(client)
         start = time.perf_counter()
         go.set()
-        sent = [replies.get(timeout=600) for _ in procs]
+        sent = collect(replies, worker, procs, 600)
         batch_ids, messages = [b for ids, _ in sent for b in ids], sum(n for _, n in sent)
         submitted = time.perf_counter() - start
         completed = select(func.count()).where(models.Batch.id.in_(batch_ids), models.Batch.status == "completed")
@@ -158,6 +180,7 @@ def through_the_queue(url: str, model: str, requests: list[dict], producers: int
             with sessions.begin() as s:
                 if s.scalar(completed) == len(batch_ids):
                     break
+            check_alive(worker, [])
             time.sleep(0.05)
         seconds = time.perf_counter() - start
         leave.set()

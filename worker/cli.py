@@ -206,9 +206,8 @@ def submit_command(args: argparse.Namespace) -> int:
     priority = store.DEFAULT_PRIORITY if args.priority is None else args.priority
     try:
         with database() as session:
-            tenant = store.get_or_create_tenant(session, args.tenant or store.DEFAULT_TENANT)
-            file = store.store_file(session, tenant.id, args.input.name, "batch", args.input.read_bytes())
-            batch, work = store.create_batch(session, tenant.id, file.id, model=args.model,
+            batch, work = store.submit_jsonl(session, args.tenant or store.DEFAULT_TENANT, args.input.name,
+                                             args.input.read_bytes(), model=args.model,
                                              completion_window=args.completion_window, priority=priority)
             waiting = work is not None and not store.live_workers(session, work.model)
     except store.StoreError as e:

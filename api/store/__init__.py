@@ -5,7 +5,15 @@ the work becomes visible: `with sessions.begin() as session: ...` (see api.db). 
 is for after the commit. Refusals raise StoreError subclasses whose message names the problem; nothing is stored.
 """
 
-from api.store.batches import DEFAULT_PRIORITY, MAX_LINES, Work, create_batch, create_request, input_file_problem
+from api.store.batches import (
+    DEFAULT_PRIORITY,
+    MAX_LINES,
+    Work,
+    create_batch,
+    create_request,
+    input_file_problem,
+    submit_jsonl,
+)
 from api.store.common import REQUEST_PREFIX, Conflict, InvalidInput, NotFound, StoreError
 from api.store.files import MAX_FILE_BYTES, file_content, get_file, store_file
 from api.store.leases import Claimed, RequestResult, claim, mark_cancelled, release, renew_leases, write_results
@@ -57,5 +65,5 @@ __all__ = [
     "live_workers", "mark_cancelled", "models_with_queued_requests", "new_deliveries", "output_file_id",
     "output_lines", "record_efficiency", "recover_expired_leases", "release", "renew_leases", "republish_stale",
     "request_view", "requests_by_status", "resolve_api_key", "result_page", "revoke_api_key", "store_file",
-    "tenant_usage", "token_totals", "view_file", "write_results",
+    "submit_jsonl", "tenant_usage", "token_totals", "view_file", "write_results",
 ]

@@ -22,8 +22,9 @@ from sqlalchemy.orm import Session
 from api.models import Batch, Request, Result
 from api.schemas import BODIES, BatchRequest, BatchValidator, LineError, line_error, parse_line
 from api.store.common import REQUEST_PREFIX, InvalidInput, error_result, new_id
-from api.store.files import file_content, get_file
+from api.store.files import file_content, get_file, store_file
 from api.store.lifecycle import settle
+from api.store.tenants import get_or_create_tenant
 from api.store.webhooks import notify
 
 MAX_LINES = 50_000  # OpenAI's limit of requests per batch
@@ -128,6 +129,15 @@ def create_batch(session: Session, tenant_id: int, input_file_id: str, *, endpoi
         session.refresh(batch)
         return batch, None
     return batch, Work(batch.model, priority, queued)
+
+
+def submit_jsonl(session: Session, tenant: str, filename: str, data: bytes, **batch_options: Any
+                 ) -> tuple[Batch, Work | None]:
+    """Store `data` as the tenant's batch input file (creating the tenant if new) and create a batch from it: what
+    `sluice submit` does in one transaction. `batch_options` are create_batch's."""
+    owner = get_or_create_tenant(session, tenant)
+    file = store_file(session, owner.id, filename, "batch", data)
+    return create_batch(session, owner.id, file.id, **batch_options)
 
 
 def input_file_problem(data: bytes, max_lines: int = MAX_LINES) -> dict[str, Any] | None:

@@ -14,7 +14,17 @@ from sqlalchemy import bindparam, exists, select, update
 from sqlalchemy.orm import Session
 
 from api.models import Batch, Request, Result
-from api.store.common import BATCHES, NOW, Conflict, NotFound, error_result, insert, lease_expired, lock_batches
+from api.store.common import (
+    BATCHES,
+    NOW,
+    REQUESTS,
+    Conflict,
+    NotFound,
+    error_result,
+    insert,
+    lease_expired,
+    lock_batches,
+)
 from api.store.webhooks import notify
 
 EXPIRED_MESSAGE = "this request could not be executed before the completion window expired"
@@ -22,14 +32,14 @@ EXPIRED_STATUS_CODE = 408
 CANCELLABLE = ("validating", "in_progress")
 # run for every chunk a worker finishes, so built once (see common.IDS); they leave loaded Batch objects as they were
 BATCH = bindparam("batch")
-COMPLETE = (update(Batch).execution_options(synchronize_session=False)
-            .where(Batch.id == BATCH, Batch.status == "in_progress",
-                   Batch.request_completed + Batch.request_failed >= Batch.request_total)
-            .values(status="completed", finalizing_at=NOW, completed_at=NOW).returning(Batch.tenant_id))
-END_CANCELLING = (update(Batch).execution_options(synchronize_session=False)
-                  .where(Batch.id == BATCH, Batch.status == "cancelling",
-                         ~exists().where(Request.batch_id == BATCH, Request.status.in_(("queued", "running"))))
-                  .values(status="cancelled", cancelled_at=NOW).returning(Batch.tenant_id))
+COMPLETE = (update(Batch.__table__)
+            .where(BATCHES.id == BATCH, BATCHES.status == "in_progress",
+                   BATCHES.request_completed + BATCHES.request_failed >= BATCHES.request_total)
+            .values(status="completed", finalizing_at=NOW, completed_at=NOW).returning(BATCHES.tenant_id))
+END_CANCELLING = (update(Batch.__table__)
+                  .where(BATCHES.id == BATCH, BATCHES.status == "cancelling",
+                         ~exists().where(REQUESTS.batch_id == BATCH, REQUESTS.status.in_(("queued", "running"))))
+                  .values(status="cancelled", cancelled_at=NOW).returning(BATCHES.tenant_id))
 COUNT_FINISHED = (update(Batch.__table__).where(BATCHES.id == BATCH).values(
     request_completed=BATCHES.request_completed + bindparam("completed"),
     request_failed=BATCHES.request_failed + bindparam("failed"))

@@ -30,9 +30,7 @@ def submit(sessions, lines: list | bytes, tenant: str = "acme", **kwargs) -> tup
     """Store a file and create a batch from it in one transaction: (batch, work)."""
     data = lines if isinstance(lines, bytes) else jsonl(lines)
     with sessions.begin() as session:
-        owner = store.get_or_create_tenant(session, tenant)
-        file = store.store_file(session, owner.id, "input.jsonl", "batch", data)
-        return store.create_batch(session, owner.id, file.id, **kwargs)
+        return store.submit_jsonl(session, tenant, "input.jsonl", data, **kwargs)
 
 
 def ok(request_id: int, text: str = "hi", prompt_tokens: int = 5, cached_tokens: int = 1,

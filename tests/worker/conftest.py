@@ -67,9 +67,7 @@ class Cluster:
     def submit(self, lines: list[dict], **kwargs) -> str:
         data = "".join(json.dumps(line) + "\n" for line in lines).encode()
         with self.sessions.begin() as s:
-            tenant = store.get_or_create_tenant(s, "acme")
-            file = store.store_file(s, tenant.id, "in.jsonl", "batch", data)
-            batch, work = store.create_batch(s, tenant.id, file.id, model=MODEL, **kwargs)
+            batch, work = store.submit_jsonl(s, "acme", "in.jsonl", data, model=MODEL, **kwargs)
         if work:
             publish_chunks(self.app, [work], size=4)
         return batch.id
