@@ -70,6 +70,31 @@ def test_ample_cache(arch_case):
     assert max(len(step) for step in planned) > 1, "requests were not batched"
 
 
+@pytest.mark.parametrize("budget", [0, None], ids=["buckets-of-8", "byte-budget"])
+def test_decode_buckets(arch_case, monkeypatch, budget):
+    """Decode rows attended in buckets of DECODE_BUCKET and in byte-budget buckets give the same tokens."""
+    from worker.engine import attention
+
+    if budget is not None:
+        monkeypatch.setattr(attention, "BUCKET_BYTES", budget)
+    sizes = []
+    ends_of = attention.bucket_ends
+
+    def spy(*args):
+        ends = ends_of(*args)
+        sizes.extend(b - a for a, b in zip([0, *ends], ends))
+        return ends
+
+    monkeypatch.setattr(attention, "bucket_ends", spy)
+    path, prompts, expected = arch_case
+    got, _, _ = run_engine(path, prompts)
+    assert got == expected
+    if budget == 0:
+        assert max(sizes) == attention.DECODE_BUCKET
+    else:  # the tiny models' short contexts fit all of a step's decode rows in one bucket
+        assert max(sizes) > attention.DECODE_BUCKET
+
+
 def test_preemption_keeps_outputs(arch_case):
     path, prompts, expected = arch_case
     got, stats, _ = run_engine(path, prompts, num_kv_blocks=16)
