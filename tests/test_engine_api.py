@@ -5,8 +5,10 @@ from __future__ import annotations
 import time
 
 import pytest
+import torch
 
 from worker.engine import LLM, RequestRejected, SamplingParams
+from worker.engine.sequence import Sequence
 
 STATS_KEYS = {"num_steps", "num_prefill_tokens", "num_decode_tokens", "num_running", "num_waiting", "num_preemptions",
               "prefix_cache_queries", "prefix_cache_hits", "kv_blocks_total", "kv_blocks_used", "weight_bytes",
@@ -150,3 +152,29 @@ def test_the_processor_tokenizes_as_transformers_does(llm, text):
     conv = [{"role": "system", "content": "be brief"}, {"role": "user", "content": text or "hi"}]
     assert processor.encode_chat(conv) == llm.tokenizer.apply_chat_template(conv, add_generation_prompt=True,
                                                                            return_dict=False)
+
+
+def test_the_last_layer_runs_only_the_sampled_rows(llm):
+    """A prompt token's last-layer output is never read, only its K and V: the last layer's o_proj and MLP run on
+    the sampled rows alone, and their hidden states are those of the whole forward's."""
+    runner, bm = llm.runner, llm.block_manager
+    decode, whole, partial = (Sequence(f"k{i}", [5 + (j * 7 + i) % 90 for j in range(n)], SamplingParams(), 0.0)
+                              for i, n in enumerate((12, 17, 30)))
+    bm.allocate(decode, 11)
+    runner.run([(decode, 11)])  # its prompt but the last token is in the cache: that token is a decode row
+    decode.num_computed_tokens = 11
+    try:
+        for seq, n in ((decode, 1), (whole, 17), (partial, 20)):
+            bm.allocate(seq, n)
+        for scheduled, sampled in (([(decode, 1), (whole, 17), (partial, 20)], [decode, whole]), ([(partial, 20)], [])):
+            ids, positions, meta, rows, seqs = runner._prepare(scheduled)
+            assert seqs == sampled  # a prompt cut short by the token budget samples nothing
+            with torch.inference_mode():
+                everything = runner.model(ids, positions, runner.caches, meta)
+                kept = runner.model(ids, positions, runner.caches, meta, keep=rows)
+            assert kept.shape == (len(sampled), everything.shape[1])
+            torch.testing.assert_close(kept, everything[rows], rtol=1e-5, atol=1e-5)
+    finally:
+        for seq in (decode, whole, partial):
+            bm.free(seq)
+    assert bm.num_used_blocks == 0

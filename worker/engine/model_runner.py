@@ -105,10 +105,10 @@ class ModelRunner:
     def run(self, scheduled: list[tuple[Sequence, int]]) -> tuple[torch.Tensor, list[Sequence]]:
         """One forward over every scheduled token; returns logits for sequences whose last token was computed."""
         input_ids, positions, meta, logits_rows, sample_seqs = self._prepare(scheduled)
-        hidden = self.model(input_ids, positions, self.caches, meta)
+        hidden = self.model(input_ids, positions, self.caches, meta, keep=logits_rows)
         if not sample_seqs:
             return torch.empty(0), []
-        return self.model.compute_logits(hidden[logits_rows]), sample_seqs
+        return self.model.compute_logits(hidden), sample_seqs
 
     @torch.inference_mode()
     def all_logits(self, seq: Sequence) -> torch.Tensor:

@@ -28,15 +28,17 @@ class Attention(nn.Module):
         self.rotary, self.backend = rotary, backend
         self.scale = c.head_dim ** -0.5
 
-    def forward(self, x, positions, cache: LayerCache, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, x, positions, cache: LayerCache, meta: AttentionMetadata,
+                keep: torch.Tensor | None = None) -> torch.Tensor:
+        """Stores every token's K and V; returns the output of every token, or of the `keep` rows only."""
         q, k, v = self.qkv_proj(x).split(self.qkv_proj.out_sizes, dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         q, k = self.rotary(positions, q, k)
         self.backend.store(k, v, cache, meta)
-        out = self.backend.attend(q, cache, meta, self.scale)
-        return self.o_proj(out.reshape(-1, self.num_heads * self.head_dim))
+        out = self.backend.attend(q, cache, meta, self.scale).reshape(-1, self.num_heads * self.head_dim)
+        return self.o_proj(out if keep is None else out[keep])
 
 
 class MLP(nn.Module):
@@ -63,8 +65,10 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.mlp = MLP(c)
 
-    def forward(self, x, positions, cache: LayerCache, meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, cache, meta)
+    def forward(self, x, positions, cache: LayerCache, meta: AttentionMetadata,
+                keep: torch.Tensor | None = None) -> torch.Tensor:
+        h = self.self_attn(self.input_layernorm(x), positions, cache, meta, keep)
+        x = (x if keep is None else x[keep]) + h
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -76,10 +80,14 @@ class Decoder(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(c, rotary, backend) for _ in range(c.num_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 
-    def forward(self, input_ids, positions, caches: list[LayerCache], meta: AttentionMetadata):
+    def forward(self, input_ids, positions, caches: list[LayerCache], meta: AttentionMetadata,
+                keep: torch.Tensor | None = None):
+        """Hidden states of every token, or of the `keep` rows only: a prompt token's last-layer output is never
+        read (only its K and V are), so the last layer's o_proj and MLP run on the rows that are sampled."""
         x = self.embed_tokens(input_ids)
-        for layer, cache in zip(self.layers, caches):
-            x = layer(x, positions, cache, meta)
+        last = len(self.layers) - 1
+        for i, (layer, cache) in enumerate(zip(self.layers, caches)):
+            x = layer(x, positions, cache, meta, keep if i == last else None)
         return self.norm(x)
 
 
@@ -94,8 +102,9 @@ class LlamaForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, input_ids, positions, caches: list[LayerCache], meta: AttentionMetadata):
-        return self.model(input_ids, positions, caches, meta)
+    def forward(self, input_ids, positions, caches: list[LayerCache], meta: AttentionMetadata,
+                keep: torch.Tensor | None = None):
+        return self.model(input_ids, positions, caches, meta, keep)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
