@@ -281,6 +281,10 @@ def main() -> None:
     print(f"the producers had stored and published everything after {q['submitted']:.1f} s")
     print(f"queue-and-database overhead: {1 - alone_s / q['seconds']:.1%} of the engine's throughput "
           "(against its fastest run alone)")
+    if args.repeat > 1:  # each round ran its paths back to back: the same spell of this machine's drifting speed
+        rounds = [1 - min(alones[t][i][0] for t in counts) / r["seconds"] for i, r in enumerate(services)]
+        print("overhead round by round (the service against the fastest engine alone of the same round): "
+              + " ".join(f"{o:.1%}" for o in rounds))
     print(f"per request: {q['pg_writes'] / n:.2f} Postgres rows written (inserts+updates), "
           f"{q['messages'] / n:.3f} Redis messages ({q['messages']} chunks), "
           f"{q['redis_commands'] / n:.2f} Redis commands")
