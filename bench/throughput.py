@@ -115,7 +115,7 @@ def main() -> None:
     print(f"{'engine':45s} {'seconds':>8s} {'tok/s':>8s} {'vs last':>8s}  all runs (s)")
     for name, t in rows:
         print(f"{name:45s} {t:8.1f} {useful / t:8.1f} {base / t:7.2f}x  {' '.join(f'{x:.1f}' for x in times[name])}")
-    if args.repeat > 1 and not args.skip_hf:  # each round's engines ran back to back: the same spell of the machine
+    if args.repeat > 1:  # each round's engines ran back to back: the same spell of the machine
         first, last = times[rows[0][0]], times[rows[-1][0]]
         print("first row vs last, round by round: " + " ".join(f"{b / a:.2f}x" for a, b in zip(first, last)))
     print_roofline(llm, reqs, useful, base)

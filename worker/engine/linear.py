@@ -18,8 +18,9 @@ class Linear(nn.Module):
         super().__init__()
         self.in_features = in_features
         self.out_sizes = out_sizes
-        self.weight = nn.Parameter(torch.empty(sum(out_sizes), in_features), requires_grad=False)
-        self.bias = nn.Parameter(torch.empty(sum(out_sizes)), requires_grad=False) if bias else None
+        self.out_features = sum(out_sizes)
+        self.weight = nn.Parameter(torch.empty(self.out_features, in_features), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(self.out_features), requires_grad=False) if bias else None
         self.method = DENSE
 
     def shard_rows(self, shard: int) -> slice:
@@ -28,9 +29,8 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        if not x.numel():  # no rows (a step that samples nothing): some GEMM kernels reject an empty input
-            return x.new_empty(*shape[:-1], sum(self.out_sizes))
-        return self.method.apply(self, x.reshape(-1, shape[-1])).reshape(*shape[:-1], -1)
+        # the output's width named, not inferred: a step that samples nothing gives the last layer's o_proj no rows
+        return self.method.apply(self, x.reshape(-1, shape[-1])).reshape(*shape[:-1], self.out_features)
 
 
 class Dense:
