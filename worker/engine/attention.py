@@ -54,6 +54,9 @@ class AttentionBackend(Protocol):
 # layer (250 sequences of the demo model: 2.2 ms of decode attention per layer in 2 MiB buckets, 6.2 ms in 8s).
 DECODE_BUCKET = 8
 BUCKET_BYTES = 2 << 20
+# Prefill rows of at most this many query tokens are attended together, padded to their bucket's longest (a
+# stream of short prompts otherwise costs a gather and an SDPA call per prompt and layer); longer rows run alone.
+SHORT_PREFILL = 64
 
 
 @dataclass
@@ -72,11 +75,23 @@ class PrefillRow:
 
 
 @dataclass
+class PrefillBucket:
+    """Short prefill rows padded to `width` query tokens: token src[i] of the step is padded row slot dst[i]."""
+
+    src: torch.Tensor  # [tokens] int64: the bucket's query tokens in the step
+    dst: torch.Tensor  # [tokens] int64: their places in [rows * width]
+    width: int
+    table: torch.Tensor  # [rows, blocks]
+    bias: torch.Tensor  # [rows, 1, width, blocks * block_size]: 0 where a query attends, -inf elsewhere
+
+
+@dataclass
 class StepPlan:
     """What every layer attends over this step, derived once from the metadata instead of once per layer."""
 
     decodes: list[DecodeBucket]
     prefills: list[PrefillRow]
+    short_prefills: list[PrefillBucket]
 
 
 class TorchAttention:
@@ -102,14 +117,18 @@ class TorchAttention:
             out[b.rows] = self._decode(q[b.rows], cache, b, scale)
         for p in plan.prefills:
             out[p.tokens] = self._prefill(q[p.tokens], cache, p, scale)
+        for b in plan.short_prefills:
+            out[b.src] = self._short_prefill(q, cache, b, scale)
         return out
 
     def _step_plan(self, meta: AttentionMetadata, cache: LayerCache, dtype: torch.dtype) -> StepPlan:
         if self._plan is None or self._plan[0] is not meta:  # a new step: the first layer builds it
             _, block_size, kv_heads, head_dim = cache.k.shape
             token_bytes = 2 * kv_heads * head_dim * dtype.itemsize  # K and V, as gathered
+            short = [i for i in range(meta.num_decodes, len(meta.query_lens)) if meta.query_lens[i] <= SHORT_PREFILL]
             self._plan = (meta, StepPlan(_decode_buckets(meta, block_size, token_bytes, dtype),
-                                         _prefill_rows(meta, block_size)))
+                                         _prefill_rows(meta, block_size, set(short)),
+                                         _short_prefill_buckets(meta, short, block_size, token_bytes, dtype)))
         return self._plan[1]
 
     def _decode(self, q: torch.Tensor, cache: LayerCache, b: DecodeBucket, scale: float) -> torch.Tensor:
@@ -120,6 +139,15 @@ class TorchAttention:
         out = F.scaled_dot_product_attention(q.view(n, kv_heads, heads // kv_heads, d), k, v, attn_mask=b.bias,
                                              scale=scale)
         return out.reshape(n, heads, d)
+
+    def _short_prefill(self, q: torch.Tensor, cache: LayerCache, b: PrefillBucket, scale: float) -> torch.Tensor:
+        rows, heads, d = b.table.shape[0], q.shape[1], q.shape[2]
+        padded = q.new_zeros(rows * b.width, heads, d)
+        padded[b.dst] = q[b.src]
+        k, v = _gather(cache, b.table, q.dtype)
+        out = F.scaled_dot_product_attention(padded.view(rows, b.width, heads, d).transpose(1, 2), k, v,
+                                             attn_mask=b.bias, scale=scale, enable_gqa=True)
+        return out.transpose(1, 2).reshape(rows * b.width, heads, d)[b.dst]
 
     def _prefill(self, q: torch.Tensor, cache: LayerCache, p: PrefillRow, scale: float) -> torch.Tensor:
         k, v = _gather(cache, p.table, q.dtype)
@@ -160,9 +188,48 @@ def _decode_buckets(meta: AttentionMetadata, block_size: int, token_bytes: int,
     return buckets
 
 
-def _prefill_rows(meta: AttentionMetadata, block_size: int) -> list[PrefillRow]:
+def _short_prefill_buckets(meta: AttentionMetadata, short: list[int], block_size: int, token_bytes: int,
+                           dtype: torch.dtype) -> list[PrefillBucket]:
+    """Buckets of the short prefill rows `short`, by context as decode buckets are (the same byte budget)."""
+    short = sorted(short, key=lambda i: meta.context_lens_list[i])
+    starts = [0]
+    for n in meta.query_lens:
+        starts.append(starts[-1] + n)
+    buckets, first = [], 0
+    for end in bucket_ends([meta.context_lens_list[i] for i in short], block_size, token_bytes):
+        rows, first = short[first:end], end
+        buckets.append(_short_prefill_bucket(meta, rows, starts, block_size, dtype))
+    return buckets
+
+
+def _short_prefill_bucket(meta: AttentionMetadata, rows: list[int], starts: list[int], block_size: int,
+                          dtype: torch.dtype) -> PrefillBucket:
+    dev = meta.context_lens.device
+    width = max(meta.query_lens[i] for i in rows)
+    src, dst = [], []
+    for r, i in enumerate(rows):
+        src += range(starts[i], starts[i] + meta.query_lens[i])
+        dst += range(r * width, r * width + meta.query_lens[i])
+    ctx = torch.tensor([meta.context_lens_list[i] for i in rows], device=dev)
+    n = torch.tensor([meta.query_lens[i] for i in rows], device=dev)
+    blocks = -(-int(ctx.max()) // block_size)
+    # each query's position; a padding query takes the row's last, so its (discarded) softmax is over real keys
+    q_pos = torch.minimum(ctx[:, None] - n[:, None] + torch.arange(width, device=dev), ctx[:, None] - 1)
+    k_pos = torch.arange(blocks * block_size, device=dev)
+    keep = k_pos[None, None, :] <= q_pos[:, :, None]
+    if meta.sliding_window is not None:
+        keep &= q_pos[:, :, None] - k_pos[None, None, :] < meta.sliding_window
+    bias = torch.zeros(keep.shape, dtype=dtype, device=dev).masked_fill_(~keep, float("-inf"))
+    table = meta.block_tables[torch.tensor(rows, device=dev), :blocks]
+    return PrefillBucket(torch.tensor(src, device=dev), torch.tensor(dst, device=dev), width, table,
+                         bias[:, None])
+
+
+def _prefill_rows(meta: AttentionMetadata, block_size: int, skip: set[int]) -> list[PrefillRow]:
     rows = []
     for i in range(meta.num_decodes, len(meta.query_lens)):
+        if i in skip:
+            continue
         start, end = int(meta.cu_seqlens_q[i]), int(meta.cu_seqlens_q[i + 1])
         n, ctx = end - start, meta.context_lens_list[i]
         table = meta.block_tables[i:i + 1, : -(-ctx // block_size)]

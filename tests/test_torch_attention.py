@@ -1,0 +1,72 @@
+"""The pure-PyTorch backend's whole step (decode buckets, short prefills padded together, long prefills alone)
+against the kernels' per-sequence reference, over a paged cache whose blocks are handed out in shuffled order."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.prefill_attention import paged_prefill_attention_ref
+from kernels.quant import quantize_kv_int8
+from worker.engine import attention
+from worker.engine.attention import AttentionMetadata, LayerCache, TorchAttention
+
+BLOCK, KV_HEADS, HEADS, DIM = 16, 2, 8, 32
+# (query tokens, context after the step), decodes first as the model runner orders them: two decodes, a whole
+# short prompt, a short chunk after a cached prefix, a 64-token chunk after a long prefix, a prompt longer than
+# SHORT_PREFILL, and two short prompts of the same length (one bucket pads none of them)
+ROWS = [(1, 9), (1, 40), (5, 5), (3, 40), (64, 200), (70, 70), (20, 20), (20, 20)]
+
+
+def _step(gen: torch.Generator, int8: bool):
+    blocks = [-(-ctx // BLOCK) for _, ctx in ROWS]
+    num_blocks = sum(blocks) + 3
+    k = torch.randn(num_blocks, BLOCK, KV_HEADS, DIM, generator=gen)
+    v = torch.randn(num_blocks, BLOCK, KV_HEADS, DIM, generator=gen)
+    cache = LayerCache(k, v)
+    if int8:
+        (k, k_scale), (v, v_scale) = quantize_kv_int8(k), quantize_kv_int8(v)
+        cache = LayerCache(k, v, k_scale, v_scale)
+    ids = torch.randperm(num_blocks, generator=gen).tolist()
+    tables = torch.zeros(len(ROWS), max(blocks) + 1, dtype=torch.int32)
+    for i, n in enumerate(blocks):
+        tables[i, :n] = torch.tensor(ids[:n])
+        ids = ids[n:]
+    q_lens = [n for n, _ in ROWS]
+    ctx = [c for _, c in ROWS]
+    meta = AttentionMetadata(slot_mapping=torch.zeros(sum(q_lens), dtype=torch.int64), block_tables=tables,
+                             context_lens=torch.tensor(ctx, dtype=torch.int32),
+                             cu_seqlens_q=torch.tensor([0, *q_lens]).cumsum(0).to(torch.int32),
+                             num_decodes=sum(n == 1 for n in q_lens), query_lens=q_lens, context_lens_list=ctx)
+    q = torch.randn(sum(q_lens), HEADS, DIM, generator=gen)
+    return q, cache, meta
+
+
+@pytest.mark.parametrize("int8", [False, True], ids=["float_cache", "int8_cache"])
+@pytest.mark.parametrize("short", [attention.SHORT_PREFILL, 0], ids=["short_buckets", "every_prefill_alone"])
+def test_a_whole_step_matches_the_reference(monkeypatch, int8, short):
+    monkeypatch.setattr(attention, "SHORT_PREFILL", short)
+    q, cache, meta = _step(torch.Generator().manual_seed(0), int8)
+    backend = TorchAttention()
+    out = backend.attend(q, cache, meta, DIM ** -0.5)
+    want = paged_prefill_attention_ref(q, cache.k, cache.v, meta.block_tables, meta.cu_seqlens_q, meta.context_lens,
+                                       DIM ** -0.5, k_scale=cache.k_scale, v_scale=cache.v_scale)
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+    plan = backend._plan[1]
+    padded = [b.table.shape[0] for b in plan.short_prefills]
+    if short:  # the five prefill rows of at most 64 tokens went into buckets (all five in one, here), the 70 alone
+        assert sum(padded) == 5 and len(plan.prefills) == 1
+    else:
+        assert padded == [] and len(plan.prefills) == 6
+
+
+def test_a_sliding_window_masks_the_same_keys_in_buckets_as_alone(monkeypatch):
+    q, cache, meta = _step(torch.Generator().manual_seed(1), False)
+    meta.sliding_window = 12
+    outs = []
+    for short in (attention.SHORT_PREFILL, 0):
+        monkeypatch.setattr(attention, "SHORT_PREFILL", short)
+        outs.append(TorchAttention().attend(q, cache, meta, DIM ** -0.5))
+    torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-5)
+    meta.sliding_window = None  # and the window did change the output
+    assert not torch.allclose(outs[0], TorchAttention().attend(q, cache, meta, DIM ** -0.5), atol=1e-3)
