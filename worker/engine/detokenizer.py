@@ -2,9 +2,45 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 from worker.engine.sequence import Sequence
 
 CONTEXT_TOKENS = 5  # prompt tokens decoded as context, so a first output token keeps its leading space
+
+
+@dataclass(frozen=True)
+class TokenText:
+    """The tokenizer's id -> token and tokens -> text, bound once per engine.
+
+    Two calls per generated token: on a Rust-backed tokenizer transformers' wrappers around them (property reads,
+    isinstance checks) cost more than the Rust decode itself, so the engine calls the backend directly when the
+    tokenizer's class uses the base wrappers unchanged (the same functions, the same text).
+    """
+
+    to_token: Callable[[int], str | None]
+    to_string: Callable[[list[str]], str]
+    special_ids: frozenset[int]  # all_special_ids, taken once: the property rebuilds its list on every read
+
+    @classmethod
+    def of(cls, tokenizer) -> TokenText:
+        special = frozenset(tokenizer.all_special_ids)
+        backend = getattr(tokenizer, "_tokenizer", None)
+        if backend is None or not _base_wrappers(type(tokenizer)):
+            return cls(tokenizer.convert_ids_to_tokens, tokenizer.convert_tokens_to_string, special)
+        decoder = backend.decoder
+        return cls(backend.id_to_token, decoder.decode if decoder is not None else " ".join, special)
+
+
+def _base_wrappers(cls: type) -> bool:
+    try:
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    except ImportError:  # another transformers layout: keep its wrappers
+        return False
+    return issubclass(cls, TokenizersBackend) and all(
+        getattr(cls, name) is getattr(TokenizersBackend, name)
+        for name in ("convert_ids_to_tokens", "convert_tokens_to_string"))
 
 
 def start(tokenizer, seq: Sequence) -> None:
@@ -14,15 +50,14 @@ def start(tokenizer, seq: Sequence) -> None:
     seq.read_offset = len(seq.detok_tokens)
 
 
-def append(tokenizer, seq: Sequence, token_id: int, special_ids: frozenset[int]) -> str:
-    """Add one generated token; return the text it completes (empty while a multi-byte character is split).
-    `special_ids` is the tokenizer's all_special_ids, taken once: the property rebuilds its list on every read."""
-    token = tokenizer.convert_ids_to_tokens(token_id)
-    if token is None or token_id in special_ids:  # None: ids past the tokenizer (padded vocab)
+def append(text: TokenText, seq: Sequence, token_id: int) -> str:
+    """Add one generated token; return the text it completes (empty while a multi-byte character is split)."""
+    token = text.to_token(token_id)
+    if token is None or token_id in text.special_ids:  # None: ids past the tokenizer (padded vocab)
         return ""
     seq.detok_tokens.append(token)
-    prefix = tokenizer.convert_tokens_to_string(seq.detok_tokens[seq.prefix_offset:seq.read_offset])
-    full = tokenizer.convert_tokens_to_string(seq.detok_tokens[seq.prefix_offset:])
+    prefix = text.to_string(seq.detok_tokens[seq.prefix_offset:seq.read_offset])
+    full = text.to_string(seq.detok_tokens[seq.prefix_offset:])
     if len(full) <= len(prefix) or full.endswith("\ufffd"):
         return ""
     seq.prefix_offset, seq.read_offset = seq.read_offset, len(seq.detok_tokens)

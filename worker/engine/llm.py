@@ -55,7 +55,7 @@ class LLMEngine:
                                           self.config.enable_prefix_caching)
         self.scheduler = Scheduler(self.config, self.block_manager)
         self.eos_token_ids = self._eos_ids(path)
-        self.special_ids = frozenset(self.tokenizer.all_special_ids)  # read for every generated token
+        self.token_text = detokenizer.TokenText.of(self.tokenizer)  # read for every generated token
         self.requests: dict[str, Sequence] = {}
         self._ids = itertools.count()
         self.counters = dict.fromkeys(("num_steps", "num_prefill_tokens", "num_decode_tokens", "num_preemptions",
@@ -179,7 +179,7 @@ class LLMEngine:
         seq.first_token_time = seq.first_token_time or now
         if lp is not None:
             seq.logprobs.append(lp)
-        seq.text += detokenizer.append(self.tokenizer, seq, token, self.special_ids)
+        seq.text += detokenizer.append(self.token_text, seq, token)
         p = seq.params
         reason = None
         if (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids:

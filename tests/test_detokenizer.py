@@ -1,0 +1,47 @@
+"""Incremental detokenization through the Rust backend directly gives the text transformers' wrappers give."""
+
+from __future__ import annotations
+
+import random
+
+from transformers import AutoTokenizer
+
+from worker.engine import detokenizer
+from worker.engine.detokenizer import TokenText
+from worker.engine.sampling_params import SamplingParams
+from worker.engine.sequence import Sequence
+
+
+def _text(token_text: TokenText, tokenizer, prompt: list[int], output: list[int]) -> str:
+    seq = Sequence("r", prompt, SamplingParams(), arrival_time=0.0)
+    detokenizer.start(tokenizer, seq)
+    return "".join(detokenizer.append(token_text, seq, t) for t in output)
+
+
+def test_the_backend_path_gives_the_wrappers_text(tokenizer_dir):
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    fast = TokenText.of(tokenizer)
+    assert fast.to_token == tokenizer._tokenizer.id_to_token  # the wrappers are skipped
+    wrapped = TokenText(tokenizer.convert_ids_to_tokens, tokenizer.convert_tokens_to_string,
+                        frozenset(tokenizer.all_special_ids))
+    rng = random.Random(0)
+    vocab = len(tokenizer)
+    specials = sorted(fast.special_ids)
+    for _ in range(200):  # random ids split multi-byte characters and mix in special tokens
+        prompt = [rng.randrange(vocab) for _ in range(rng.randrange(1, 12))]
+        output = [rng.choice(specials) if rng.random() < 0.1 else rng.randrange(vocab) for _ in range(30)]
+        assert _text(fast, tokenizer, prompt, output) == _text(wrapped, tokenizer, prompt, output)
+
+
+def test_a_tokenizer_class_with_its_own_wrappers_keeps_them(tokenizer_dir):
+    base = AutoTokenizer.from_pretrained(tokenizer_dir)
+
+    class Shouting(type(base)):
+        def convert_tokens_to_string(self, tokens):
+            return super().convert_tokens_to_string(tokens).upper()
+
+    tokenizer = Shouting.from_pretrained(tokenizer_dir)
+    text = TokenText.of(tokenizer)
+    assert text.to_string.__func__ is Shouting.convert_tokens_to_string
+    ids = tokenizer.encode("hello there")
+    assert _text(text, tokenizer, ids[:1], ids[1:]) == _text(text, tokenizer, ids[:1], ids[1:]).upper() != ""
