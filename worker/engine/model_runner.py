@@ -126,10 +126,15 @@ class ModelRunner:
         query_lens, context_lens, logits_rows, sample_seqs = [], [], [], []
         for seq, n in scheduled:
             start = seq.num_computed_tokens
-            input_ids += seq.token_ids[start:start + n]
-            positions += range(start, start + n)
             table = seq.block_table
-            slots += [table[p // bs] * bs + p % bs for p in range(start, start + n)]
+            if n == 1:  # most rows of most steps: no slices or comprehensions to build
+                input_ids.append(seq.token_ids[start])
+                positions.append(start)
+                slots.append(table[start // bs] * bs + start % bs)
+            else:
+                input_ids += seq.token_ids[start:start + n]
+                positions += range(start, start + n)
+                slots += [table[p // bs] * bs + p % bs for p in range(start, start + n)]
             query_lens.append(n)
             context_lens.append(start + n)
             if start + n == seq.num_tokens:

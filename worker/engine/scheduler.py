@@ -90,13 +90,17 @@ class _Step:
 
     def run_decodes(self) -> None:
         for seq in sorted(self.s.running, key=lambda q: q.rank):
-            if self.budget and seq.num_remaining == 1 and seq not in self.scheduled and seq in self.s.running:
+            if self._schedulable(seq) and seq.num_remaining == 1:
                 self._schedule_running(seq, 1)
 
     def run_prefills(self) -> None:
         for seq in sorted(self.s.running, key=lambda q: q.rank):
-            if self.budget and seq.num_remaining > 1 and seq not in self.scheduled and seq in self.s.running:
+            if self._schedulable(seq) and seq.num_remaining > 1:
                 self._schedule_running(seq, min(seq.num_remaining, self.budget))
+
+    def _schedulable(self, seq: Sequence) -> bool:
+        """Budget left, and the sequence still running (not preempted this step) and not yet scheduled."""
+        return bool(self.budget) and seq.status is SequenceStatus.RUNNING and seq not in self.scheduled
 
     def admit_waiting(self) -> None:
         if self.out.preempted:  # memory is short: admitting now would only thrash
@@ -124,6 +128,10 @@ class _Step:
 
     def _schedule_running(self, seq: Sequence, n: int) -> None:
         """Schedule n tokens of a running sequence, preempting later-ranked ones when blocks run out."""
+        if seq.num_computed_tokens + n <= len(seq.block_table) * self.bm.block_size:  # its blocks hold them
+            self.scheduled[seq] = n
+            self.budget -= n
+            return
         while True:
             n_fit = min(n, self._tokens_that_fit(seq))
             if n_fit > 0:
