@@ -192,9 +192,7 @@ def _short_prefill_buckets(meta: AttentionMetadata, short: list[int], block_size
                            dtype: torch.dtype) -> list[PrefillBucket]:
     """Buckets of the short prefill rows `short`, by context as decode buckets are (the same byte budget)."""
     short = sorted(short, key=lambda i: meta.context_lens_list[i])
-    starts = [0]
-    for n in meta.query_lens:
-        starts.append(starts[-1] + n)
+    starts = meta.cu_seqlens_q.tolist()
     buckets, first = [], 0
     for end in bucket_ends([meta.context_lens_list[i] for i in short], block_size, token_bytes):
         rows, first = short[first:end], end

@@ -79,6 +79,8 @@ class BlockManager:
     def allocate(self, seq: Sequence, num_new_tokens: int) -> None:
         """Give the sequence blocks for its next num_new_tokens tokens."""
         need = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
+        if need <= 0:  # most calls (a decode token inside its last block): nothing to check or take
+            return
         assert need <= self.num_free_blocks, "allocate() without can_allocate()"
         for _ in range(need):
             seq.block_table.append(self._take_free())

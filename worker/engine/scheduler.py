@@ -129,8 +129,7 @@ class _Step:
     def _schedule_running(self, seq: Sequence, n: int) -> None:
         """Schedule n tokens of a running sequence, preempting later-ranked ones when blocks run out."""
         if seq.num_computed_tokens + n <= len(seq.block_table) * self.bm.block_size:  # its blocks hold them
-            self.scheduled[seq] = n
-            self.budget -= n
+            self._take(seq, n)
             return
         while True:
             n_fit = min(n, self._tokens_that_fit(seq))
