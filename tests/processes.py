@@ -1,4 +1,5 @@
-"""Where a process's threads may run, read from /proc: the CPU pinning tests of the bridge and of `sluice serve`."""
+"""Where a process's threads may run and at what nice value, read from /proc: the CPU pinning tests of the
+bridge and of `sluice serve`."""
 
 from __future__ import annotations
 
@@ -9,6 +10,11 @@ from pathlib import Path
 def thread_cpus(pid: int) -> set[frozenset[int]]:
     """The distinct CPU sets of the process's threads."""
     return {frozenset(os.sched_getaffinity(int(tid))) for tid in os.listdir(f"/proc/{pid}/task")}
+
+
+def thread_nices(pid: int) -> set[int]:
+    """The distinct nice values of the process's threads."""
+    return {os.getpriority(os.PRIO_PROCESS, int(tid)) for tid in os.listdir(f"/proc/{pid}/task")}
 
 
 def engine_child(pid: int) -> int:

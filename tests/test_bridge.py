@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -15,9 +16,10 @@ from concurrent.futures import CancelledError
 from functools import partial
 
 import pytest
+from processes import thread_nices
 
 from worker.bridge import EngineBridge, default_engine_threads
-from worker.cpus import split_cpus
+from worker.cpus import PINNED_ENGINE_NICE, split_cpus
 from worker.engine import LLM, LLMEngine, RequestRejected, SamplingParams
 from worker.engine.config import ModelError
 
@@ -164,27 +166,29 @@ def test_cpus_split_between_engine_and_worker(monkeypatch):
     assert split_cpus(1) is None
 
 
-@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="pinning needs two CPUs")
-def test_a_pinned_cpu_engine_and_its_worker_share_no_cpu(llama_dir, tmp_path):
-    """Every thread of the engine process (OpenMP's included) on the last CPU, every thread of the worker on the
-    others, and the engine's outputs unchanged. In a child process: pinning pins the process that asks."""
+def pinned_run(llama_dir, tmp_path, prefix: list[str] = ()) -> tuple[dict, str]:
+    """A worker-like child process with a pinned CPU engine: its engine's and its own threads' CPUs and nice
+    values, the engine's tokens, and its stderr. In a child process: pinning pins the process that asks."""
     script = textwrap.dedent(f"""
-        import json, os, threading
+        import json, logging, os, threading
         from functools import partial
         from worker.bridge import EngineBridge
         from worker.engine import LLMEngine, SamplingParams
-        from tests.processes import thread_cpus
+        from processes import thread_cpus, thread_nices
         from tests.test_bridge import prompts, ENGINE, PARAMS
         if __name__ == "__main__":
+            logging.basicConfig(level="WARNING")
             bridge = EngineBridge(partial(LLMEngine, {str(llama_dir)!r}, **ENGINE), threads=1, pin_cpus=True).start()
             release = threading.Event()
             later = threading.Thread(target=release.wait)  # a thread started after pinning inherits the CPUs
             later.start()
             futures = [bridge.submit(f"p{{i}}", p, PARAMS) for i, p in enumerate(prompts(12))]
             tokens = [f.result(timeout=60).token_ids for f in futures]
-            engine = [sorted(c) for c in thread_cpus(bridge.process.pid)]
-            worker = [sorted(c) for c in thread_cpus(os.getpid())]
-            print(json.dumps(dict(pinned=bridge.pinned, engine=engine, worker=worker, tokens=tokens)), flush=True)
+            pid = bridge.process.pid
+            engine, worker = [sorted(c) for c in thread_cpus(pid)], [sorted(c) for c in thread_cpus(os.getpid())]
+            nices = dict(engine_nices=sorted(thread_nices(pid)), worker_nices=sorted(thread_nices(os.getpid())))
+            print(json.dumps(dict(pinned=bridge.pinned, engine=engine, worker=worker, tokens=tokens,
+                                  reported_nice=bridge.engine_nice, **nices)), flush=True)
             release.set()
             later.join()
             bridge.stop(timeout=30)
@@ -192,12 +196,47 @@ def test_a_pinned_cpu_engine_and_its_worker_share_no_cpu(llama_dir, tmp_path):
     path = tmp_path / "pinned.py"
     path.write_text(script)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    done = subprocess.run([sys.executable, str(path)], capture_output=True, text=True, cwd=root, timeout=300,
-                          env={**os.environ, "PYTHONPATH": root})
+    done = subprocess.run([*prefix, sys.executable, str(path)], capture_output=True, text=True, cwd=root,
+                          timeout=300, env={**os.environ, "PYTHONPATH": os.pathsep.join([root, f"{root}/tests"])})
     assert done.returncode == 0, done.stderr
-    got = json.loads(done.stdout.splitlines()[-1])
+    return json.loads(done.stdout.splitlines()[-1]), done.stderr
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="pinning needs two CPUs")
+def test_a_pinned_cpu_engine_and_its_worker_share_no_cpu(llama_dir, tmp_path):
+    """Every thread of the engine process (OpenMP's included) on the last CPU, every thread of the worker on the
+    others, and the engine's outputs unchanged."""
+    got, _ = pinned_run(llama_dir, tmp_path)
     cpus = sorted(os.sched_getaffinity(0))
     assert got["pinned"]
     assert got["engine"] == [cpus[-1:]]
     assert got["worker"] == [cpus[:-1]]
     assert got["tokens"] == [o.token_ids for o in LLM(str(llama_dir), **ENGINE).generate(prompts(12), PARAMS)]
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="pinning needs two CPUs")
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv"),
+                    reason="lowering a nice value needs root here, and setpriv to take the permission away")
+def test_a_pinned_cpu_engine_runs_at_a_lower_nice_value_where_permitted(llama_dir, tmp_path):
+    """With CAP_SYS_NICE every engine thread runs at PINNED_ENGINE_NICE and the worker's at its own; without
+    it the engine runs on at the worker's value, says so, and serves the same tokens."""
+    own = os.getpriority(os.PRIO_PROCESS, 0)
+    got, _ = pinned_run(llama_dir, tmp_path)
+    assert got["engine_nices"] == [PINNED_ENGINE_NICE] and got["reported_nice"] == PINNED_ENGINE_NICE
+    assert got["worker_nices"] == [own]
+    refused, stderr = pinned_run(llama_dir, tmp_path, ["setpriv", "--inh-caps=-sys_nice", "--bounding-set=-sys_nice"])
+    assert refused["engine_nices"] == [own] and refused["reported_nice"] == own
+    assert f"not permitted nice {PINNED_ENGINE_NICE}" in stderr
+    assert refused["tokens"] == got["tokens"]
+
+
+def test_an_explicit_nice_value_applies_to_every_engine_thread(build):
+    """A value above the worker's needs no permission; an unpinned engine takes it too, the caller keeps its own."""
+    own = os.getpriority(os.PRIO_PROCESS, 0)
+    bridge = EngineBridge(build, threads=2, nice=own + 3).start()
+    try:
+        assert bridge.submit("a", prompts(1)[0], PARAMS).result(timeout=60).token_ids
+        assert thread_nices(bridge.process.pid) == {own + 3} and bridge.engine_nice == own + 3
+        assert thread_nices(os.getpid()) == {own}
+    finally:
+        bridge.stop(timeout=30)

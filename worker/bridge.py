@@ -9,6 +9,7 @@ is built, and stepped, on the one thread of a fresh process.
 
 from __future__ import annotations
 
+import logging
 import multiprocessing
 import os
 import threading
@@ -19,6 +20,8 @@ from pathlib import Path
 from worker.cpus import pin_threads, split_cpus
 from worker.engine import InputProcessor, LLMEngine, RequestRejected, SamplingParams
 from worker.engine_core import Abort, EfficiencyWindow, Failed, Report, StepStats, Stop, Submit, run_engine
+
+log = logging.getLogger(__name__)
 
 
 def default_engine_threads() -> int:
@@ -32,16 +35,20 @@ class EngineBridge:
     def __init__(self, build: Callable[[], LLMEngine], window_seconds: float = 10.0,
                  on_window: Callable[[EfficiencyWindow], None] | None = None,
                  on_step: Callable[[StepStats], None] | None = None, threads: int | None = None,
-                 pin_cpus: bool = False):
+                 pin_cpus: bool = False, nice: int | None = None):
         """`build` makes the engine in the engine process, so it must pickle (a function, or a partial of one);
         `threads` is the engine's PyTorch thread count (default_engine_threads()). `pin_cpus`: a CPU engine and
         this whole process (every thread of it) get disjoint CPUs (split_cpus), so the worker's Python never
         preempts the engine's OpenMP threads mid parallel region; it applies only once the engine is built on
-        the CPU, and it pins the calling process, so only a process that is a worker should ask."""
+        the CPU, and it pins the calling process, so only a process that is a worker should ask. `nice`: the
+        engine process's nice value (default: worker.cpus.PINNED_ENGINE_NICE for a pinned CPU engine, else
+        unchanged); where lowering it is not permitted the engine runs on at the worker's, with a warning."""
         self.build, self.window_seconds = build, window_seconds
         self.threads = threads or default_engine_threads()
         self.split = split_cpus(self.threads) if pin_cpus else None
+        self.nice = nice
         self.pinned = False
+        self.engine_nice = 0  # what the engine process runs at, once started
         self.on_window, self.on_step = on_window, on_step
         self.processor: InputProcessor | None = None
         self.error: BaseException | None = None
@@ -58,7 +65,7 @@ class EngineBridge:
         self._reports, reports_out = ctx.Pipe(duplex=False)
         self.process = ctx.Process(target=run_engine, name="sluice-engine", daemon=True,
                                    args=(self.build, requests_in, reports_out, self.window_seconds, self.threads,
-                                         self.split and self.split[1]))
+                                         self.split and self.split[1], self.nice))
         self.process.start()
         requests_in.close()  # only the engine holds these ends: either side sees EOF when the other dies
         reports_out.close()
@@ -75,6 +82,10 @@ class EngineBridge:
         if first.pinned:
             pin_threads(self.split[0])
             self.pinned = True
+        self.engine_nice = first.nice
+        if first.nice_refused is not None:
+            log.warning("the engine process was not permitted nice %d (lowering it needs CAP_SYS_NICE); it runs at "
+                        "%d, and other processes woken on its CPUs may preempt it", first.nice_refused, first.nice)
         self._receiver.start()
         return self
 

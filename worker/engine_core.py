@@ -9,6 +9,7 @@ when the worker asks it to, or when the request pipe closes because the worker d
 from __future__ import annotations
 
 import gc
+import os
 import signal
 import time
 from collections.abc import Callable
@@ -17,7 +18,7 @@ from multiprocessing.connection import Connection
 
 import torch
 
-from worker.cpus import pin_threads
+from worker.cpus import PINNED_ENGINE_NICE, pin_threads, set_nice
 from worker.engine import LLMEngine, RequestOutput, RequestRejected, SamplingParams
 from worker.engine.config import EngineConfig
 
@@ -51,6 +52,8 @@ class Ready:
     config: EngineConfig
     num_kv_blocks: int
     pinned: bool = False  # the engine process took the CPUs it was offered
+    nice: int = 0  # the engine process's nice value
+    nice_refused: int | None = None  # the nice value it was to take but was not permitted to
 
 
 @dataclass
@@ -133,9 +136,10 @@ class Report:
 
 
 def run_engine(build: Callable[[], LLMEngine], requests: Connection, reports: Connection,
-               window_seconds: float, threads: int, cpus: set[int] | None = None) -> None:
+               window_seconds: float, threads: int, cpus: set[int] | None = None, nice: int | None = None) -> None:
     """The process's target; `threads` is PyTorch's intra-op thread count here; a CPU engine pins itself to
-    `cpus` when given (a CUDA engine's few CPU threads are better left free to move)."""
+    `cpus` when given (a CUDA engine's few CPU threads are better left free to move). `nice`: the process's
+    nice value; None takes PINNED_ENGINE_NICE where the engine pinned itself and leaves it unchanged otherwise."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the worker decides
     torch.set_num_threads(threads)
     try:
@@ -146,7 +150,11 @@ def run_engine(build: Callable[[], LLMEngine], requests: Connection, reports: Co
     pinned = bool(cpus) and engine.config.torch_device().type == "cpu"
     if pinned:
         pin_threads(cpus)  # OpenMP's pool may already exist (building ran parallel ops): every thread, not just this
-    reports.send(Ready(str(engine.path), engine.config, engine.block_manager.num_blocks, pinned))
+    if nice is None:
+        nice = PINNED_ENGINE_NICE if pinned else None
+    refused = None if nice is None or set_nice(nice) else nice
+    reports.send(Ready(str(engine.path), engine.config, engine.block_manager.num_blocks, pinned,
+                       os.getpriority(os.PRIO_PROCESS, 0), refused))
     freeze_heap()
     EngineCore(engine, requests, reports, window_seconds).loop()
 

@@ -51,6 +51,7 @@ class WorkerSettings:
     metrics_port: int | None = None
     engine_threads: int | None = None  # PyTorch threads of the engine process (default: all CPUs but one)
     cpu_pinning: bool = True  # a CPU engine and this process on disjoint CPUs (worker/cpus.py)
+    engine_nice: int | None = None  # the engine process's nice value (default: -10 when pinned, else unchanged)
 
 
 @dataclass
@@ -68,7 +69,7 @@ class GpuWorker:
         self.metrics = EngineMetrics(settings.served_model_name)
         self.bridge = EngineBridge(build_engine, settings.window_seconds, on_window=self.windows.put,
                                    on_step=self.metrics.observe, threads=settings.engine_threads,
-                                   pin_cpus=settings.cpu_pinning)
+                                   pin_cpus=settings.cpu_pinning, nice=settings.engine_nice)
         self.in_flight: set[int] = set()
         self.lock = threading.Lock()
         self.stopping = threading.Event()

@@ -36,6 +36,10 @@ def add_worker_parser(commands) -> None:
     ops.add_argument("--no-cpu-pinning", dest="cpu_pinning", action="store_false",
                      help="let the OS place a CPU engine's threads and the worker's (default: the engine's threads "
                           "get the last CPUs to themselves, the worker the rest)")
+    ops.add_argument("--engine-nice", type=int, metavar="N",
+                     help="nice value of the engine process, -20 to 19 (default: -10 for a CPU engine pinned to CPUs "
+                          "of its own, so that other processes woken there yield them; unchanged otherwise). "
+                          "Lowering it needs CAP_SYS_NICE: without it the engine keeps the worker's, with a warning")
     ops.add_argument("--loglevel", default="INFO")
     parser.set_defaults(handler=worker_command)
 
@@ -50,12 +54,15 @@ def worker_command(args: argparse.Namespace) -> int:
 
     if args.engine_threads is not None and args.engine_threads < 1:
         raise UsageError(f"--engine-threads must be at least 1, got {args.engine_threads}")
+    if args.engine_nice is not None and not -20 <= args.engine_nice <= 19:
+        raise UsageError(f"--engine-nice must be from -20 to 19, got {args.engine_nice}")
     logging.basicConfig(level=args.loglevel.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     name = served_model_name(args)
     settings = WorkerSettings(name, args.model, lease_seconds=args.lease_seconds,
                               reconcile_seconds=args.reconcile_seconds, stale_seconds=args.stale_seconds,
                               shutdown_grace_seconds=args.shutdown_grace_seconds, metrics_port=args.metrics_port,
-                              engine_threads=args.engine_threads, cpu_pinning=args.cpu_pinning)
+                              engine_threads=args.engine_threads, cpu_pinning=args.cpu_pinning,
+                              engine_nice=args.engine_nice)
     worker = GpuWorker(partial(load_engine, args), settings, db.session_factory(db.make_engine(pre_ping=False)), app)
     try:
         worker.start()  # builds the engine on its own thread; a bad model is load_engine's UsageError
