@@ -4,7 +4,7 @@ one `sluice worker`, against the same requests through the engine alone, in one 
 Prints requests/s and output tokens/s of both, the overhead, and the Postgres rows and Redis messages (and
 commands) per request. Needs the local PostgreSQL and Redis (creates and drops its own database, uses Redis db 15).
 Run: python bench/queue_overhead.py [--requests 10000] [--producers 8] [--batch-lines N]
-     [--model demo|small|DIR] [--repeat 2] [--pin-producers]
+     [--model demo|small|DIR] [--repeat 2] [--pin-producers] [--engine-nice N]
 """
 
 from __future__ import annotations
@@ -135,12 +135,22 @@ def collect(replies, worker: subprocess.Popen, procs, timeout: float) -> list:
     return got
 
 
+def engine_nice(worker_pid: int) -> int | None:
+    """The nice value of the worker's engine process (its child started by spawn), None if it is not found."""
+    for task in Path(f"/proc/{worker_pid}/task").iterdir():
+        for child in (task / "children").read_text().split():
+            if "spawn_main" in Path(f"/proc/{child}/cmdline").read_text():
+                return os.getpriority(os.PRIO_PROCESS, int(child))
+    return None
+
+
 def through_the_queue(url: str, model: str, requests: list[dict], producers: int, batch_lines: int,
-                      pin_producers: bool) -> dict:
+                      pin_producers: bool, nice: int | None) -> dict:
     env = {**os.environ, "SLUICE_DATABASE_URL": url, "SLUICE_BROKER_URL": BROKER_URL}
     worker = subprocess.Popen([sys.executable, "-m", "worker", "worker", "--model", model, "--served-model-name",
                                "bench", "--loglevel", "WARNING", "--max-num-seqs", str(ENGINE_FLAGS["max_num_seqs"]),
-                               "--max-num-batched-tokens", str(ENGINE_FLAGS["max_num_batched_tokens"])], env=env)
+                               "--max-num-batched-tokens", str(ENGINE_FLAGS["max_num_batched_tokens"]),
+                               *(["--engine-nice", str(nice)] if nice is not None else [])], env=env)
     engine = db.make_engine(url)
     sessions = db.session_factory(engine)
     client = redis.Redis.from_url(BROKER_URL)
@@ -153,6 +163,7 @@ def through_the_queue(url: str, model: str, requests: list[dict], producers: int
             check_alive(worker, [])
             time.sleep(0.2)
         time.sleep(1.0)
+        nice = engine_nice(worker.pid)
         # --pin-producers: the producers (spawned below, they inherit this process's CPUs) get the worker's CPUs,
         # which a CPU engine's pinning left off the engine's
         if pin_producers and (kept := os.sched_getaffinity(worker.pid)) < everything:
@@ -192,7 +203,8 @@ def through_the_queue(url: str, model: str, requests: list[dict], producers: int
         written, commands = pg_writes(engine) - writes, redis_commands(client) - commands
         worker.terminate()  # its last efficiency window is written as it stops
         worker.wait(timeout=60)
-        return {"seconds": seconds, "submitted": submitted, "engine": worker_steps(sessions), "pg_writes": written,
+        return {"seconds": seconds, "submitted": submitted, "engine": worker_steps(sessions), "nice": nice,
+                "pg_writes": written,
                 "tokens": sum(v["usage"]["output_tokens"] for v in views), "messages": messages,
                 "redis_commands": commands}
     finally:
@@ -207,7 +219,8 @@ def engine_line(name: str, e: dict) -> str:
             f"{e['busy']:.1f} s stepping")
 
 
-def service(model: str, requests: list[dict], producers: int, batch_lines: int, pin_producers: bool) -> dict:
+def service(model: str, requests: list[dict], producers: int, batch_lines: int, pin_producers: bool,
+            nice: int | None) -> dict:
     """One run through the service, on a database of its own (created, migrated, dropped) and a flushed Redis db."""
     admin = create_engine(ADMIN_URL, isolation_level="AUTOCOMMIT")
     name = f"sluice_bench_{uuid.uuid4().hex[:8]}"
@@ -219,7 +232,7 @@ def service(model: str, requests: list[dict], producers: int, batch_lines: int, 
         migrated = db.make_engine(url)
         db.upgrade(migrated)
         migrated.dispose()
-        return through_the_queue(url, model, requests, producers, batch_lines, pin_producers)
+        return through_the_queue(url, model, requests, producers, batch_lines, pin_producers, nice)
     finally:
         with admin.connect() as c:
             c.execute(text(f'DROP DATABASE "{name}" WITH (FORCE)'))
@@ -240,6 +253,9 @@ def main() -> None:
                          "every CPU: they stand in for clients on other machines, and pinned to the worker's one CPU "
                          "on 2 cores all their submitting (8 x 0.25 s) comes before the first batch commits, while "
                          "the engine's CPU idles with nothing to step")
+    ap.add_argument("--engine-nice", type=int, metavar="N",
+                    help="the worker's --engine-nice (default: the worker's own default, -10 for its pinned CPU engine "
+                         "where permitted; 0 gives the engine no priority over the other processes on its CPU)")
     ap.add_argument("--model", default="demo", help="a checkpoint dir, 'demo', or 'small' (hidden 256, 4 layers)")
     ap.add_argument("--repeat", type=int, default=2,
                     help="runs of each path, interleaved; the fastest of each counts (this machine's speed drifts)")
@@ -260,7 +276,8 @@ def main() -> None:
     for _ in range(args.repeat):
         for t in counts:
             alones[t].append(engine_alone(args.model, requests, t))
-        services.append(service(args.model, requests, args.producers, args.batch_lines, args.pin_producers))
+        services.append(service(args.model, requests, args.producers, args.batch_lines, args.pin_producers,
+                                args.engine_nice))
     best = {t: min(runs, key=lambda a: a[0]) for t, runs in alones.items()}
     alone_s, alone_tokens, alone = min(best.values(), key=lambda a: a[0])
     q = min(services, key=lambda r: r["seconds"])
@@ -277,7 +294,7 @@ def main() -> None:
     print(f"{'producers -> Redis -> worker -> PG':34s} {q['seconds']:8.1f} {n / q['seconds']:8.1f} "
           f"{q['tokens'] / q['seconds']:9.0f}  " + " ".join(f"{r['seconds']:.1f}" for r in services))
     print(engine_line("engine alone", alone))
-    print(engine_line("the worker's engine", q["engine"]))
+    print(engine_line("the worker's engine", q["engine"]) + f", at nice {q['nice']}")
     print(f"the producers had stored and published everything after {q['submitted']:.1f} s")
     print(f"queue-and-database overhead: {1 - alone_s / q['seconds']:.1%} of the engine's throughput "
           "(against its fastest run alone)")
