@@ -1,4 +1,5 @@
-"""CPU placement for a CPU engine beside its worker: disjoint CPUs, so neither preempts the other. An OpenMP
+"""CPU placement and priority for a CPU engine beside its worker: disjoint CPUs, so neither preempts the other,
+and a lower nice value, so that other processes of the host woken on the engine's CPUs mostly yield them. An OpenMP
 parallel region waits for its slowest thread; one thread descheduled by the worker's Python stalls the whole
 step (vLLM's CPU backend binds its OpenMP threads for the same reason, VLLM_CPU_OMP_THREADS_BIND)."""
 
