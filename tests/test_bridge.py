@@ -177,7 +177,7 @@ def pinned_run(llama_dir, tmp_path, prefix: list[str] = ()) -> tuple[dict, str]:
         from processes import thread_cpus, thread_nices
         from tests.test_bridge import prompts, ENGINE, PARAMS
         if __name__ == "__main__":
-            logging.basicConfig(level="WARNING")
+            logging.basicConfig(level="INFO")
             bridge = EngineBridge(partial(LLMEngine, {str(llama_dir)!r}, **ENGINE), threads=1, pin_cpus=True).start()
             release = threading.Event()
             later = threading.Thread(target=release.wait)  # a thread started after pinning inherits the CPUs

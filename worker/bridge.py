@@ -42,7 +42,8 @@ class EngineBridge:
         preempts the engine's OpenMP threads mid parallel region; it applies only once the engine is built on
         the CPU, and it pins the calling process, so only a process that is a worker should ask. `nice`: the
         engine process's nice value (default: worker.cpus.PINNED_ENGINE_NICE for a pinned CPU engine, else
-        unchanged); where lowering it is not permitted the engine runs on at the worker's, with a warning."""
+        unchanged); where lowering it is not permitted the engine runs on at the worker's, and says so (a warning if
+        `nice` was given, else at INFO)."""
         self.build, self.window_seconds = build, window_seconds
         self.threads = threads or default_engine_threads()
         self.split = split_cpus(self.threads) if pin_cpus else None
@@ -83,9 +84,10 @@ class EngineBridge:
             pin_threads(self.split[0])
             self.pinned = True
         self.engine_nice = first.nice
-        if first.nice_refused is not None:
-            log.warning("the engine process was not permitted nice %d (lowering it needs CAP_SYS_NICE); it runs at "
-                        "%d, and other processes woken on its CPUs may preempt it", first.nice_refused, first.nice)
+        if first.nice_refused is not None:  # a warning where it was asked for, a note where it was the default
+            log.log(logging.INFO if self.nice is None else logging.WARNING,
+                    "the engine process was not permitted nice %d (lowering it needs CAP_SYS_NICE); it runs at %d, "
+                    "and other processes woken on its CPUs may preempt it", first.nice_refused, first.nice)
         self._receiver.start()
         return self
 

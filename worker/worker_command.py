@@ -39,7 +39,7 @@ def add_worker_parser(commands) -> None:
     ops.add_argument("--engine-nice", type=int, metavar="N",
                      help="nice value of the engine process, -20 to 19 (default: -10 for a CPU engine pinned to CPUs "
                           "of its own, so that other processes woken there yield them; unchanged otherwise). "
-                          "Lowering it needs CAP_SYS_NICE: without it the engine keeps the worker's, with a warning")
+                          "Lowering it needs CAP_SYS_NICE: without it the engine keeps the worker's, as the log says")
     ops.add_argument("--loglevel", default="INFO")
     parser.set_defaults(handler=worker_command)
 
