@@ -163,7 +163,7 @@ def through_the_queue(url: str, model: str, requests: list[dict], producers: int
             check_alive(worker, [])
             time.sleep(0.2)
         time.sleep(1.0)
-        nice = engine_nice(worker.pid)
+        ran_at = engine_nice(worker.pid)  # what the worker made of --engine-nice
         # --pin-producers: the producers (spawned below, they inherit this process's CPUs) get the worker's CPUs,
         # which a CPU engine's pinning left off the engine's
         if pin_producers and (kept := os.sched_getaffinity(worker.pid)) < everything:
@@ -203,9 +203,8 @@ def through_the_queue(url: str, model: str, requests: list[dict], producers: int
         written, commands = pg_writes(engine) - writes, redis_commands(client) - commands
         worker.terminate()  # its last efficiency window is written as it stops
         worker.wait(timeout=60)
-        return {"seconds": seconds, "submitted": submitted, "engine": worker_steps(sessions), "nice": nice,
-                "pg_writes": written,
-                "tokens": sum(v["usage"]["output_tokens"] for v in views), "messages": messages,
+        return {"seconds": seconds, "submitted": submitted, "engine": worker_steps(sessions), "nice": ran_at,
+                "pg_writes": written, "tokens": sum(v["usage"]["output_tokens"] for v in views), "messages": messages,
                 "redis_commands": commands}
     finally:
         pin_threads(everything)

@@ -6,6 +6,7 @@ step (vLLM's CPU backend binds its OpenMP threads for the same reason, VLLM_CPU_
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 # Pinning gives the engine CPUs that the worker stays off, but the kernel still wakes other processes there:
 # Postgres backends, Redis and clients sharing the host preempted the queue bench's engine about 1,300 times a
@@ -24,21 +25,23 @@ def split_cpus(threads: int) -> tuple[set[int], set[int]] | None:
 
 def pin_threads(cpus: set[int]) -> None:
     """Pin every thread of this process to `cpus`; threads started later inherit their creator's CPUs."""
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            os.sched_setaffinity(int(tid), cpus)
-        except (ProcessLookupError, FileNotFoundError):  # the thread exited meanwhile
-            pass
+    _each_thread(lambda tid: os.sched_setaffinity(tid, cpus))
 
 
 def set_nice(nice: int) -> bool:
     """Give every thread of this process the nice value `nice` (threads started later inherit their creator's);
     False, and nothing changed, where that is not permitted: lowering it needs CAP_SYS_NICE."""
+    try:
+        _each_thread(lambda tid: os.setpriority(os.PRIO_PROCESS, tid, nice))
+    except PermissionError:
+        return False
+    return True
+
+
+def _each_thread(apply: Callable[[int], None]) -> None:
+    """Call `apply` with the id of every thread of this process (settings such as CPUs and nice are per thread)."""
     for tid in os.listdir("/proc/self/task"):
         try:
-            os.setpriority(os.PRIO_PROCESS, int(tid), nice)
-        except PermissionError:
-            return False
+            apply(int(tid))
         except (ProcessLookupError, FileNotFoundError):  # the thread exited meanwhile
             pass
-    return True

@@ -150,9 +150,9 @@ def run_engine(build: Callable[[], LLMEngine], requests: Connection, reports: Co
     pinned = bool(cpus) and engine.config.torch_device().type == "cpu"
     if pinned:
         pin_threads(cpus)  # OpenMP's pool may already exist (building ran parallel ops): every thread, not just this
-    if nice is None:
-        nice = PINNED_ENGINE_NICE if pinned else None
-    refused = None if nice is None or set_nice(nice) else nice
+    if nice is None and pinned:
+        nice = PINNED_ENGINE_NICE
+    refused = nice if nice is not None and not set_nice(nice) else None
     reports.send(Ready(str(engine.path), engine.config, engine.block_manager.num_blocks, pinned,
                        os.getpriority(os.PRIO_PROCESS, 0), refused))
     freeze_heap()
