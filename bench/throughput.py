@@ -4,7 +4,7 @@ Prints useful output tokens/s of each and the ratios, and the KV memory the work
 versus contiguous preallocation. Each engine runs --repeat times, interleaved, and its fastest run counts: this
 machine's speed drifts by tens of percent over seconds, and the fastest run is the least disturbed one. The prefix
 cache is emptied before every run, so no run reuses another's prompts.
-Run: python bench/throughput.py [--requests 64] [--batch 16] [--repeat 2] [--skip-hf]
+Run: python bench/throughput.py [--requests 64] [--batch 16] [--repeat 2] [--skip-hf] [--cpu-gemm mkl|onednn]
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import bench_model, workload  # noqa: E402
 
 from worker.engine import LLM, SamplingParams  # noqa: E402
-from worker.engine.linear import Linear, PackedFloat32, can_pack_float32  # noqa: E402
+from worker.engine.config import CPU_GEMMS  # noqa: E402
+from worker.engine.linear import PACKED_FLOAT32, Linear, can_pack_float32, can_pack_mkl, cpu_gemm  # noqa: E402
 
 OTHER_BLOCKS = (8, 32)
 
@@ -83,12 +84,13 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--cpu-gemm", default="auto", choices=CPU_GEMMS, help="the engine's float32 CPU GEMM")
     args = ap.parse_args()
     torch.set_num_threads(torch.get_num_threads())
     path = bench_model()
     reqs = workload(args.requests)
     useful = sum(r.max_tokens for r in reqs)
-    llm = LLM(str(path), max_num_seqs=args.requests, max_num_batched_tokens=2048)
+    llm = LLM(str(path), max_num_seqs=args.requests, max_num_batched_tokens=2048, cpu_gemm=args.cpu_gemm)
     llm.generate([reqs[0].prompt], params(reqs[0]))  # warm up
     print(f"workload: {len(reqs)} requests, prompts {min(len(r.prompt) for r in reqs)}-"
           f"{max(len(r.prompt) for r in reqs)} tokens, max_tokens {min(r.max_tokens for r in reqs)}-"
@@ -133,15 +135,18 @@ def gemm_rate(matmul, rows: int = 2048) -> float:
     return 10 * 2 * rows * 1024 * 2816 / (time.perf_counter() - start)
 
 
-def matmul_peak() -> tuple[float, float]:
-    """The machine's compute ceiling: a large GEMM through PyTorch's matmul (MKL) and through the engine's packed
-    oneDNN layer (on CPUs where MKL takes a generic path, the faster one is the real ceiling)."""
+def matmul_peak() -> dict[str, float]:
+    """The machine's compute ceiling: a large GEMM through PyTorch's matmul (MKL, unpacked) and through the engine's
+    packed layers, oneDNN's and MKL's (which is faster depends on the CPU: the fastest is the real ceiling)."""
     w = torch.randn(2816, 1024)
-    layer = Linear(1024, [2816])
-    layer.weight.data.copy_(w)
-    if can_pack_float32(w):
-        layer.method = PackedFloat32(layer)
-    return gemm_rate(lambda a: a @ w.T), gemm_rate(layer)
+    rates = {"torch matmul": gemm_rate(lambda a: a @ w.T)}
+    for name, usable in (("onednn", can_pack_float32(w)), ("mkl", can_pack_mkl(w))):
+        if usable:
+            layer = Linear(1024, [2816])
+            layer.weight.data.copy_(w)
+            layer.method = PACKED_FLOAT32[name](layer)
+            rates[f"packed {name}"] = gemm_rate(layer)
+    return rates
 
 
 def print_roofline(llm: LLM, reqs, useful: int, baseline_seconds: float) -> None:
@@ -151,11 +156,12 @@ def print_roofline(llm: LLM, reqs, useful: int, baseline_seconds: float) -> None
     layer += 3 * c.hidden_size * c.intermediate_size
     per_token = 2 * c.num_layers * layer
     flops = per_token * sum(len(r.prompt) + r.max_tokens for r in reqs) + 2 * c.hidden_size * c.vocab_size * useful
-    mkl, onednn = matmul_peak()
-    peak = max(mkl, onednn)
+    rates = matmul_peak()
+    peak = max(rates.values())
     ceiling = useful / (flops / peak)
     print(f"compute ceiling: {flops / 1e12:.2f} TFLOP of matmuls at the measured fp32 GEMM peak of {peak / 1e9:.0f} "
-          f"GFLOP/s (torch matmul {mkl / 1e9:.0f}, packed oneDNN {onednn / 1e9:.0f}) = {ceiling:.0f} tok/s at most "
+          f"GFLOP/s ({', '.join(f'{k} {v / 1e9:.0f}' for k, v in rates.items())}; the engine's: packed "
+          f"{cpu_gemm(llm.config.cpu_gemm)}) = {ceiling:.0f} tok/s at most "
           f"({ceiling * baseline_seconds / useful:.2f}x the last row)")
 
 

@@ -9,6 +9,7 @@ import torch
 import transformers
 
 from worker.engine import LLM, SamplingParams
+from worker.engine.linear import can_pack_mkl
 
 NUM_PROMPTS = 32
 
@@ -62,9 +63,13 @@ def arch_case(request, checkpoints):
     return path, prompts, hf_greedy(path, prompts)
 
 
-def test_ample_cache(arch_case):
+@pytest.mark.parametrize("cpu_gemm", ["auto", "mkl", "onednn"])
+def test_ample_cache(arch_case, cpu_gemm):
+    """Whichever packed float32 GEMM multiplies the projections on a CPU (on CUDA the choice is unused)."""
+    if cpu_gemm == "mkl" and not can_pack_mkl(torch.empty(1)):
+        pytest.skip("PyTorch built without MKL")
     path, prompts, expected = arch_case
-    got, stats, planned = run_engine(path, prompts)
+    got, stats, planned = run_engine(path, prompts, cpu_gemm=cpu_gemm)
     assert got == expected
     assert stats["num_preemptions"] == 0
     assert max(len(step) for step in planned) > 1, "requests were not batched"

@@ -1,34 +1,94 @@
-"""The float32 CPU matmuls through oneDNN (packed, and on the weight as loaded) against F.linear on the same
-weights, and where the engine uses each."""
+"""The float32 CPU matmuls through oneDNN (packed, and on the weight as loaded) and MKL (packed) against F.linear on
+the same weights, which the engine uses on which CPU, and where."""
+
+import platform
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from worker.engine import LLM
-from worker.engine.linear import DENSE, ONEDNN_FLOAT32, Linear, PackedFloat32, bucket_rows, can_pack_float32
+from worker.engine import LLM, linear
+from worker.engine.config import EngineConfig
+from worker.engine.linear import (
+    DENSE,
+    ONEDNN_FLOAT32,
+    Linear,
+    PackedMklFloat32,
+    PackedOneDnnFloat32,
+    bucket_rows,
+    can_pack_float32,
+    can_pack_mkl,
+    cpu_gemm,
+)
 
 needs_onednn = pytest.mark.skipif(not can_pack_float32(torch.empty(1)), reason="PyTorch built without oneDNN")
+needs_mkl = pytest.mark.skipif(not can_pack_mkl(torch.empty(1)), reason="PyTorch built without MKL")
+PACKED = [PackedOneDnnFloat32, pytest.param(PackedMklFloat32, marks=needs_mkl)]
+ROWS = [0, 1, 3, 16, 17, 64, 65, 300, 513, 2049]
 
 
 @needs_onednn
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("rows", [1, 3, 16, 17, 64, 65, 300, 513, 2049])
-def test_packed_matches_dense(rows, bias):
-    torch.manual_seed(rows)
+@pytest.mark.parametrize("packed", PACKED)
+def test_packed_matches_dense(packed, bias):
+    """One pack serves every row count: MKL's is made for PACK_ROWS rows and must hold for any other."""
+    torch.manual_seed(len(ROWS))
     layer = Linear(96, [40, 17], bias=bias)
     torch.nn.init.normal_(layer.weight)
     if bias:
         torch.nn.init.normal_(layer.bias)
+    w = layer.weight.data.clone()
+    layer.method = packed(layer)
+    assert not hasattr(layer, "weight")  # the packed form replaces it
+    for rows in ROWS:
+        x = torch.randn(rows, 96)
+        want = F.linear(x, w, layer.bias)
+        got = layer(x)
+        assert got.shape == want.shape
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@needs_onednn
+@pytest.mark.parametrize("rows", ROWS)
+def test_onednn_on_the_weight_as_loaded_matches_dense(rows):
+    torch.manual_seed(rows)
+    layer = Linear(96, [40, 17], bias=True)
+    torch.nn.init.normal_(layer.weight)
+    torch.nn.init.normal_(layer.bias)
     x = torch.randn(rows, 96)
     want = F.linear(x, layer.weight, layer.bias)
     layer.method = ONEDNN_FLOAT32
     torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-5)
-    layer.method = PackedFloat32(layer)
-    assert not hasattr(layer, "weight")  # the packed form replaces it
-    got = layer(x)
-    assert got.shape == want.shape
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@needs_mkl
+def test_mkl_pack_keeps_no_float_weight():
+    """The op is handed a stride-0 stand-in for the original weight: only its shape is read, and it costs nothing."""
+    layer = Linear(64, [48])
+    method = PackedMklFloat32(layer)
+    assert method.shape.shape == (48, 64) and method.shape.stride() == (0, 0)
+    assert method.nbytes == 48 * 64 * 4
+
+
+def test_cpu_gemm_is_mkl_on_intel_and_onednn_elsewhere(monkeypatch):
+    monkeypatch.setattr(linear, "can_pack_mkl", lambda w: True)
+    for vendor, want in [("GenuineIntel", "mkl"), ("AuthenticAMD", "onednn"), ("", "onednn")]:
+        monkeypatch.setattr(linear, "cpu_vendor", lambda v=vendor: v)
+        assert cpu_gemm("auto") == want
+        assert cpu_gemm("onednn") == "onednn" and cpu_gemm("mkl") == "mkl"  # a choice is kept
+    monkeypatch.setattr(linear, "can_pack_mkl", lambda w: False)
+    monkeypatch.setattr(linear, "cpu_vendor", lambda: "GenuineIntel")
+    assert cpu_gemm("auto") == "onednn"
+    with pytest.raises(ValueError, match="cpu_gemm='mkl' needs a PyTorch built with MKL"):
+        cpu_gemm("mkl")
+    with pytest.raises(ValueError, match="cpu_gemm must be one of auto, mkl, onednn, got 'blas'"):
+        EngineConfig(model="x", cpu_gemm="blas")
+
+
+def test_cpu_vendor_reads_this_machine():
+    vendor = linear.cpu_vendor()
+    assert vendor in ("GenuineIntel", "AuthenticAMD", "HygonGenuine", "")
+    assert (vendor != "") == (platform.machine() == "x86_64")
 
 
 def test_row_buckets_are_few_and_pad_little():
@@ -60,29 +120,32 @@ def test_padded_rows_do_not_leak_into_the_result():
 
 
 @needs_onednn
-def test_packed_takes_strided_and_batched_inputs():
+@pytest.mark.parametrize("packed", PACKED)
+def test_packed_takes_strided_and_batched_inputs(packed):
     torch.manual_seed(0)
     layer = Linear(64, [48])
     torch.nn.init.normal_(layer.weight)
     w = layer.weight.data.clone()
-    layer.method = PackedFloat32(layer)
+    layer.method = packed(layer)
     x = torch.randn(2, 64, 7).transpose(1, 2)  # [2, 7, 64], not contiguous
     torch.testing.assert_close(layer(x), F.linear(x, w), rtol=1e-5, atol=1e-5)
 
 
 @needs_onednn
-def test_engine_packs_float32_cpu_weights_only(llama_dir, checkpoints):
-    fp32 = LLM(str(llama_dir), num_kv_blocks=8)
-    bf16 = LLM(str(llama_dir), num_kv_blocks=8, dtype="bfloat16")
-    assert all(isinstance(m.method, PackedFloat32) for m in fp32.runner.model.modules() if isinstance(m, Linear))
+@pytest.mark.parametrize("gemm, packed", [("onednn", PackedOneDnnFloat32),
+                                          pytest.param("mkl", PackedMklFloat32, marks=needs_mkl)])
+def test_engine_packs_float32_cpu_weights_only(llama_dir, checkpoints, gemm, packed):
+    fp32 = LLM(str(llama_dir), num_kv_blocks=8, cpu_gemm=gemm)
+    bf16 = LLM(str(llama_dir), num_kv_blocks=8, dtype="bfloat16", cpu_gemm=gemm)
+    assert all(isinstance(m.method, packed) for m in fp32.runner.model.modules() if isinstance(m, Linear))
     assert all(m.method is DENSE for m in bf16.runner.model.modules() if isinstance(m, Linear))
     # the logical weight size, as if dense: packing changes the layout, not what the weights cost
     assert fp32.stats()["weight_bytes"] == 2 * bf16.stats()["weight_bytes"]
     # a tied lm_head shares the embedding: packing it would copy the embedding, so it multiplies the shared tensor
-    qwen2 = LLM(str(checkpoints("qwen2")), num_kv_blocks=8)
+    qwen2 = LLM(str(checkpoints("qwen2")), num_kv_blocks=8, cpu_gemm=gemm)
     lm_head = qwen2.runner.model.lm_head
     assert lm_head.method is ONEDNN_FLOAT32 and lm_head.weight is qwen2.runner.model.model.embed_tokens.weight
-    assert isinstance(qwen2.runner.model.model.layers[0].self_attn.qkv_proj.method, PackedFloat32)
+    assert isinstance(qwen2.runner.model.model.layers[0].self_attn.qkv_proj.method, packed)
 
 
 def test_cpu_mlp_runs_long_prefills_in_row_chunks_with_the_same_result(monkeypatch):

@@ -14,6 +14,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 CPU_DEFAULT_KV_CACHE_MEMORY = 1 << 30
 CUDA_MEMORY_FRACTION = 0.9
 BACKENDS = ("auto", "torch", "triton")
+CPU_GEMMS = ("auto", "mkl", "onednn")
 
 
 class ModelError(ValueError):
@@ -112,6 +113,7 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     attention_backend: str = "auto"
     linear_backend: str = "auto"
+    cpu_gemm: str = "auto"  # float32 CPU projections: "mkl", "onednn", or "auto" (MKL on Intel, oneDNN elsewhere)
     load_format: str = "auto"
 
     def __post_init__(self) -> None:
@@ -131,6 +133,8 @@ class EngineConfig:
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' (safetensors) or 'dummy' (random, for benchmarks), "
                              f"got {self.load_format!r}")
+        if self.cpu_gemm not in CPU_GEMMS:
+            raise ValueError(f"cpu_gemm must be one of {', '.join(CPU_GEMMS)}, got {self.cpu_gemm!r}")
         for name in ("attention_backend", "linear_backend"):
             if getattr(self, name) not in BACKENDS:
                 raise ValueError(f"{name} must be one of {', '.join(BACKENDS)}, got {getattr(self, name)!r}")

@@ -8,7 +8,7 @@ import torch
 
 from worker.engine.attention import AttentionMetadata, LayerCache, TorchAttention
 from worker.engine.config import CPU_DEFAULT_KV_CACHE_MEMORY, CUDA_MEMORY_FRACTION, EngineConfig, ModelConfig
-from worker.engine.linear import DENSE, ONEDNN_FLOAT32, Linear, PackedFloat32, can_pack_float32
+from worker.engine.linear import DENSE, ONEDNN_FLOAT32, PACKED_FLOAT32, Linear, can_pack_float32, cpu_gemm
 from worker.engine.loader import build_model, init_dummy_weights, load_weights
 from worker.engine.quantization import quantize_model
 from worker.engine.sequence import Sequence
@@ -56,19 +56,21 @@ class ModelRunner:
         return LayerCache(k, v, k_scale, v_scale)
 
     def _pack_float32_weights(self) -> None:
-        """Float32 projections on CPU go to oneDNN's packed layout; a tied lm_head keeps the embedding's tensor
-        (packing would copy it) and only switches to oneDNN's GEMM."""
+        """Float32 projections on CPU go to MKL's or oneDNN's packed layout (linear.cpu_gemm); a tied lm_head keeps
+        the embedding's tensor (packing would copy it) and only switches to oneDNN's GEMM, which multiplies an
+        unpacked weight faster than MKL on Intel and AMD CPUs alike."""
+        packed = PACKED_FLOAT32[cpu_gemm(self.config.cpu_gemm)]
         for module in self.model.modules():
             if isinstance(module, Linear) and module.method is DENSE and can_pack_float32(module.weight):
                 tied = module.weight is self.model.model.embed_tokens.weight
-                module.method = ONEDNN_FLOAT32 if tied else PackedFloat32(module)
+                module.method = ONEDNN_FLOAT32 if tied else packed(module)
 
     @cached_property  # fixed once loaded, and stats() is read after every step by the worker's metrics
     def weight_bytes(self) -> int:
         """Bytes the weights occupy (tied tensors once; the rotary table is not a weight)."""
         tensors = {t.data_ptr(): t.numel() * t.element_size() for t in self.model.state_dict().values()}
         packed = [m.method.nbytes for m in self.model.modules()
-                  if isinstance(m, Linear) and isinstance(m.method, PackedFloat32)]
+                  if isinstance(m, Linear) and isinstance(m.method, tuple(PACKED_FLOAT32.values()))]
         return sum(tensors.values()) + sum(packed)
 
     @cached_property
