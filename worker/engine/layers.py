@@ -60,16 +60,23 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, config: ModelConfig, max_positions: int):
         super().__init__()
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), rope_inv_freq(config))
-        emb = torch.cat((freqs, freqs), dim=-1)
+        emb = torch.cat((freqs, freqs), dim=-1)  # both halves equal: apply_rotary relies on it
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin of the step's positions, [tokens, 1, head_dim]: looked up once per forward for every layer."""
+        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [tokens, heads, head_dim] rotated into a new tensor, bit for bit transformers' x*cos + rotate_half(x)*sin
+    with rotate_half(x) = cat(-x2, x1), in four ops instead of five and no concatenated copy: the table's halves are
+    equal, so the first half is x1*cos - x2*sin and the second x2*cos + x1*sin, and x*sin holds both products (a
+    negated product rounds as the product of the negation does). q and k go through in one call."""
+    out = x * cos
+    x_sin = x * sin
+    half = x.shape[-1] // 2
+    out[..., :half] -= x_sin[..., half:]
+    out[..., half:] += x_sin[..., :half]
+    return out

@@ -7,7 +7,7 @@ from torch import nn
 
 from worker.engine.attention import AttentionBackend, AttentionMetadata, LayerCache
 from worker.engine.config import ModelConfig
-from worker.engine.layers import RMSNorm, RotaryEmbedding, silu_and_mul
+from worker.engine.layers import RMSNorm, RotaryEmbedding, apply_rotary, silu_and_mul
 from worker.engine.linear import Linear
 
 # checkpoint projection name -> (fused module, shard index)
@@ -18,24 +18,26 @@ FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_p
 CPU_MLP_ROWS = 512
 
 
+Rope = tuple[torch.Tensor, torch.Tensor]  # the step's cos and sin, [tokens, 1, head_dim]
+
+
 class Attention(nn.Module):
-    def __init__(self, c: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend):
+    def __init__(self, c: ModelConfig, backend: AttentionBackend):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
         q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         self.qkv_proj = Linear(c.hidden_size, [q_size, kv_size, kv_size], bias=c.attention_bias)
         self.o_proj = Linear(q_size, [c.hidden_size])
-        self.rotary, self.backend = rotary, backend
+        self.backend = backend
         self.scale = c.head_dim ** -0.5
 
-    def forward(self, x, positions, cache: LayerCache, meta: AttentionMetadata,
+    def forward(self, x, rope: Rope, cache: LayerCache, meta: AttentionMetadata,
                 keep: torch.Tensor | None = None) -> torch.Tensor:
         """Stores every token's K and V; returns the output of every token, or of the `keep` rows only."""
-        q, k, v = self.qkv_proj(x).split(self.qkv_proj.out_sizes, dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(positions, q, k)
+        qkv = self.qkv_proj(x).view(x.shape[0], -1, self.head_dim)
+        heads = self.num_heads + self.num_kv_heads
+        qk = apply_rotary(qkv[:, :heads], *rope)  # q's and k's heads are adjacent: rotated in one pass
+        q, k, v = qk[:, :self.num_heads], qk[:, self.num_heads:], qkv[:, heads:]
         self.backend.store(k, v, cache, meta)
         out = self.backend.attend(q, cache, meta, self.scale).reshape(-1, self.num_heads * self.head_dim)
         return self.o_proj(out if keep is None else out[keep])
@@ -58,16 +60,16 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, c: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend):
+    def __init__(self, c: ModelConfig, backend: AttentionBackend):
         super().__init__()
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.self_attn = Attention(c, rotary, backend)
+        self.self_attn = Attention(c, backend)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.mlp = MLP(c)
 
-    def forward(self, x, positions, cache: LayerCache, meta: AttentionMetadata,
+    def forward(self, x, rope: Rope, cache: LayerCache, meta: AttentionMetadata,
                 keep: torch.Tensor | None = None) -> torch.Tensor:
-        h = self.self_attn(self.input_layernorm(x), positions, cache, meta, keep)
+        h = self.self_attn(self.input_layernorm(x), rope, cache, meta, keep)
         x = (x if keep is None else x[keep]) + h
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -75,9 +77,9 @@ class DecoderLayer(nn.Module):
 class Decoder(nn.Module):
     def __init__(self, c: ModelConfig, backend: AttentionBackend, max_positions: int):
         super().__init__()
-        rotary = RotaryEmbedding(c, max_positions)
+        self.rotary = RotaryEmbedding(c, max_positions)
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(c, rotary, backend) for _ in range(c.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(c, backend) for _ in range(c.num_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 
     def forward(self, input_ids, positions, caches: list[LayerCache], meta: AttentionMetadata,
@@ -85,9 +87,10 @@ class Decoder(nn.Module):
         """Hidden states of every token, or of the `keep` rows only: a prompt token's last-layer output is never
         read (only its K and V are), so the last layer's o_proj and MLP run on the rows that are sampled."""
         x = self.embed_tokens(input_ids)
+        rope = self.rotary(positions, x.dtype)
         last = len(self.layers) - 1
         for i, (layer, cache) in enumerate(zip(self.layers, caches)):
-            x = layer(x, positions, cache, meta, keep if i == last else None)
+            x = layer(x, rope, cache, meta, keep if i == last else None)
         return self.norm(x)
 
 
