@@ -10,8 +10,9 @@ from torch import nn
 class Linear(nn.Module):
     """y = x W^T + b, with W the row-wise concatenation of `out_sizes` checkpoint tensors.
 
-    `method` does the multiplication: Dense here, PackedOneDnnFloat32 (below) on CPU, or a quantized method
-    (quantization.py); the last two replace the weight by their own form of it.
+    `method` does the multiplication: Dense here, a packed float32 method on CPU (PackedMklFloat32 or
+    PackedOneDnnFloat32, below), or a quantized method (quantization.py); the last two replace the weight by their own
+    form of it.
     """
 
     def __init__(self, in_features: int, out_sizes: list[int], bias: bool = False):
@@ -152,4 +153,6 @@ class PackedMklFloat32:
 
 ONEDNN_FLOAT32 = OneDnnFloat32()
 PACKED_FLOAT32 = {"onednn": PackedOneDnnFloat32, "mkl": PackedMklFloat32}  # by cpu_gemm's answer
-PACK_ROWS = 64  # oneDNN's row-count hint when blocking: a decode step's size (8-64 rows run at near peak with it)
+# the row count a weight is packed for: a decode step's size (oneDNN runs 8-64 rows near peak with it; MKL's pack
+# serves every row count, see PackedMklFloat32)
+PACK_ROWS = 64
