@@ -164,7 +164,7 @@ class Worker(Base):
     pid: Mapped[int]
     model: Mapped[str] = mapped_column(Text)  # the checkpoint it loaded
     served_model_name: Mapped[str] = mapped_column(String(255), index=True)  # names its queue
-    status: Mapped[str] = mapped_column(String(16))  # running, stopping, stopped
+    status: Mapped[str] = mapped_column(String(16))  # starting, running, stopping, stopped
     started_at: Mapped[float]
     last_heartbeat_at: Mapped[float]
 

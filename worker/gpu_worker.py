@@ -72,6 +72,7 @@ class GpuWorker:
                                    pin_cpus=settings.cpu_pinning, nice=settings.engine_nice)
         self.in_flight: set[int] = set()
         self.lock = threading.Lock()
+        self.consuming = threading.Event()  # Celery consumes the model's queue: the worker is live
         self.stopping = threading.Event()
         self.closed = threading.Event()
         self._maintenance = threading.Thread(target=self._maintain, name="maintenance", daemon=True)
@@ -83,10 +84,19 @@ class GpuWorker:
         self.responses = Responses(self.processor.tokenizer)
         if self.settings.metrics_port is not None:
             self.metrics.serve(self.settings.metrics_port)
-        self._heartbeat("running")
+        self._heartbeat("starting")  # live once Celery consumes the queue (mark_consuming)
         freeze_heap()  # the worker's own heap (Celery, SQLAlchemy, transformers) likewise; not measured apart
         self._maintenance.start()
         return self
+
+    def mark_consuming(self) -> None:
+        """Celery's consumer is ready: from now on a message for this model is taken, so the worker is live."""
+        self.consuming.set()
+        if not self.stopping.is_set():
+            self._heartbeat("running")
+
+    def status(self) -> str:
+        return "stopping" if self.stopping.is_set() else "running" if self.consuming.is_set() else "starting"
 
     # --- a chunk, on a Celery task thread
 
@@ -178,7 +188,7 @@ class GpuWorker:
                 if now >= due["beat"]:
                     due["beat"] = now + self.settings.heartbeat_seconds
                     self._flush_windows()
-                    self._heartbeat("stopping" if self.stopping.is_set() else "running")
+                    self._heartbeat(self.status())
                 if now >= due["reconcile"] and not self.stopping.is_set():
                     due["reconcile"] = now + self.settings.reconcile_seconds
                     reconcile_once(self.sessions, self.app, self.settings.stale_seconds)

@@ -75,13 +75,14 @@ def worker_command(args: argparse.Namespace) -> int:
 def serve_queues(worker, app, queues: list[str], loglevel: str, prefix: str, concurrency: int | None = None) -> None:
     """Run a Celery worker (threads pool) on `queues` in this thread, feeding `worker`'s engine; on SIGTERM its
     chunks get the grace period, and the GPU worker is closed when Celery exits."""
-    from celery.signals import worker_shutting_down
+    from celery.signals import worker_ready, worker_shutting_down
 
     from api.queue import chunk_size
     from worker import gpu_worker
 
     gpu_worker.install(worker)
     worker_shutting_down.connect(lambda **_: worker.begin_shutdown(), weak=False)
+    worker_ready.connect(lambda **_: worker.mark_consuming(), weak=False)  # live only once it takes messages
     concurrency = concurrency or 2 * -(-worker.processor.config.max_num_seqs // chunk_size())  # fill it twice over
     try:
         app.worker_main(["worker", "-Q", ",".join(queues), "-P", "threads", "-c", str(concurrency),

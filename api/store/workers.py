@@ -11,12 +11,13 @@ from api.models import EfficiencyWindow, Worker
 from api.store.common import insert
 
 LIVE_SECONDS = 60.0  # a worker that has not beaten for this long counts as gone
-STATUSES = ("running", "stopping", "stopped")
+# starting: the engine is built but the worker does not consume its queue yet (not live: nothing would run)
+STATUSES = ("starting", "running", "stopping", "stopped")
 
 
 def heartbeat(session: Session, worker_id: str, *, hostname: str, pid: int, model: str, served_model_name: str,
               status: str = "running") -> None:
-    """Insert the worker on its first beat, refresh it after; `status` says it is running, stopping or stopped."""
+    """Insert the worker on its first beat, refresh it after; `status` says it is starting, running, stopping or stopped."""
     if status not in STATUSES:
         raise ValueError(f"worker status {status!r}: one of {', '.join(STATUSES)}")
     now = time.time()

@@ -222,3 +222,30 @@ def test_the_worker_rides_out_its_database_connections_being_killed(cluster):
     assert worker.poll() is None
     # whichever thread meets a dead connection first (a chunk's write, the heartbeat, the reconciler) retries it
     assert "database error, retrying" in cluster.log_text(), cluster.log_tail()
+
+
+def test_a_worker_is_live_only_once_celery_consumes_its_queue(cluster):
+    """Built but not consuming, a worker would take no message: it must not count as serving its model (a batch
+    would say no worker is waiting when none takes its work, and a test or a bench starting on it races)."""
+    from functools import partial
+
+    from api.models import Worker
+    from worker.engine import LLMEngine
+    from worker.gpu_worker import GpuWorker, WorkerSettings
+
+    settings = WorkerSettings("starting-model", str(cluster.model_dir), cpu_pinning=False, engine_threads=1)
+    worker = GpuWorker(partial(LLMEngine, str(cluster.model_dir), num_kv_blocks=16), settings, cluster.sessions,
+                       cluster.app)
+
+    def row() -> tuple[str, list[str]]:
+        with cluster.sessions.begin() as s:
+            return s.get(Worker, worker.id).status, [w.id for w in store.live_workers(s, "starting-model")]
+
+    worker.start()
+    try:
+        assert row() == ("starting", [])
+        worker.mark_consuming()  # what Celery's worker_ready signal calls
+        assert row() == ("running", [worker.id])
+    finally:
+        worker.close()
+    assert row() == ("stopped", [])
