@@ -17,7 +17,7 @@ STATUSES = ("starting", "running", "stopping", "stopped")
 
 def heartbeat(session: Session, worker_id: str, *, hostname: str, pid: int, model: str, served_model_name: str,
               status: str = "running") -> None:
-    """Insert the worker on its first beat, refresh it after; `status` says it is starting, running, stopping or stopped."""
+    """Insert the worker on its first beat, refresh it after; `status`: starting, running, stopping or stopped."""
     if status not in STATUSES:
         raise ValueError(f"worker status {status!r}: one of {', '.join(STATUSES)}")
     now = time.time()
