@@ -98,3 +98,28 @@ def test_logprobs_match_transformers(llm, llama_dir):
         assert math.isclose(lp.logprob, row[lp.token_id].item(), abs_tol=1e-4)
         assert [t for t, _ in lp.top] == row.topk(3).indices.tolist()
         assert lp.top[0][0] == lp.token_id  # greedy picks the top token
+
+
+def test_undetokenized_outputs_decode_to_the_engines_text(llm):
+    """detokenize=False: the same tokens, no text from the engine, and detokenizer.decode rebuilds exactly the text
+    the engine builds token by token (sampled tokens at temperature 2 split characters and hit special ids)."""
+    from worker.engine.detokenizer import TokenText, decode
+
+    prompts = PROMPTS * 4
+    params = [SamplingParams(max_tokens=24, temperature=2.0, seed=i, ignore_eos=True) for i in range(len(prompts))]
+    texts = llm.generate(prompts, params)
+    for p in params:
+        p.detokenize = False
+    tokens = llm.generate(prompts, params)
+    token_text = TokenText.of(llm.tokenizer)
+    for with_text, without in zip(texts, tokens):
+        assert without.text is None and without.token_ids == with_text.token_ids
+        assert decode(llm.tokenizer, token_text, without.prompt_token_ids, without.token_ids) == with_text.text
+    assert any(t.text for t in texts)
+
+
+def test_detokenize_is_checked():
+    with pytest.raises(ValueError, match="detokenize must be a boolean"):
+        SamplingParams(detokenize="no")
+    with pytest.raises(ValueError, match="stop strings need detokenize=True"):
+        SamplingParams(stop=["."], detokenize=False)

@@ -121,6 +121,10 @@ class GpuWorker:
             try:
                 body = BODIES[c.url].model_validate(c.body)
                 token_ids, params = engine_inputs(self.processor, c.url, body)
+                # the text is decoded here on a task thread (Responses), not token by token in the engine's
+                # process, whose every CPU cycle is a step (vLLM V1 likewise detokenizes outside its engine
+                # core); stop strings are matched in the text, so those requests keep it in the engine
+                params.detokenize = bool(params.stop)
             except (PromptError, ValidationError) as e:
                 results.append(_error(c, getattr(e, "code", "invalid_value"), str(e), getattr(e, "param", "body")))
                 continue

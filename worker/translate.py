@@ -9,6 +9,7 @@ from transformers import PreTrainedTokenizerBase
 
 from api.schemas import CHAT_URL, PROMPT_FIELDS, Body, Generation, TokenLogprob, chat_messages, sampling_args
 from worker.engine import InputProcessor, RequestOutput, RequestRejected, SamplingParams
+from worker.engine.detokenizer import TokenText, decode
 
 
 class PromptError(ValueError):
@@ -40,10 +41,12 @@ def engine_inputs(processor: InputProcessor, url: str, body: Body) -> tuple[list
 
 
 class Responses:
-    """Builds response generations from engine outputs, caching each token's text for logprobs."""
+    """Builds response generations from engine outputs, caching each token's text for logprobs; decodes the text
+    of an output the engine did not detokenize (SamplingParams.detokenize=False) as the engine would have."""
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase):
         self.tokenizer = tokenizer
+        self.texts = TokenText.of(tokenizer)
         self.token_text: dict[int, str] = {}
 
     def generation(self, out: RequestOutput) -> Generation:
@@ -51,7 +54,10 @@ class Responses:
         if out.logprobs is not None:
             logprobs = [TokenLogprob(self._token(lp.token_id), lp.logprob, [(self._token(t), v) for t, v in lp.top])
                         for lp in out.logprobs]
-        return Generation(text=out.text, finish_reason=out.finish_reason, prompt_tokens=len(out.prompt_token_ids),
+        text = out.text
+        if text is None:
+            text = decode(self.tokenizer, self.texts, out.prompt_token_ids, out.token_ids)
+        return Generation(text=text, finish_reason=out.finish_reason, prompt_tokens=len(out.prompt_token_ids),
                           completion_tokens=len(out.token_ids), cached_tokens=out.num_cached_tokens,
                           created=int(out.metrics.finish_time or time.time()), logprobs=logprobs)
 

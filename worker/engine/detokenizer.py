@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
-
-from worker.engine.sequence import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
 
 CONTEXT_TOKENS = 5  # prompt tokens decoded as context, so a first output token keeps its leading space
 
@@ -43,14 +42,39 @@ def _base_wrappers(cls: type) -> bool:
         for name in ("convert_ids_to_tokens", "convert_tokens_to_string"))
 
 
-def start(tokenizer, seq: Sequence) -> None:
+class State(Protocol):
+    """What the detokenizer reads and keeps per sequence (a Sequence has it)."""
+
+    prompt_token_ids: list[int]
+    detok_tokens: list[str]  # output tokens as strings, after a few prompt tokens of context
+    prefix_offset: int
+    read_offset: int
+
+
+@dataclass
+class Replay:
+    prompt_token_ids: list[int]
+    detok_tokens: list[str] = field(default_factory=list)
+    prefix_offset: int = 0
+    read_offset: int = 0
+
+
+def decode(tokenizer, text: TokenText, prompt_token_ids: list[int], token_ids: list[int]) -> str:
+    """The text the engine builds token by token for these output tokens, built here from the finished output:
+    the same calls in the same order, so the same text (for requests run with SamplingParams(detokenize=False))."""
+    state = Replay(prompt_token_ids)
+    start(tokenizer, state)
+    return "".join(append(text, state, t) for t in token_ids)
+
+
+def start(tokenizer, seq: State) -> None:
     context = tokenizer.convert_ids_to_tokens(seq.prompt_token_ids[-(CONTEXT_TOKENS + 1):], skip_special_tokens=True)
     seq.detok_tokens = [t for t in context if t is not None]
     seq.prefix_offset = max(len(seq.detok_tokens) - CONTEXT_TOKENS, 0)
     seq.read_offset = len(seq.detok_tokens)
 
 
-def append(text: TokenText, seq: Sequence, token_id: int) -> str:
+def append(text: TokenText, seq: State, token_id: int) -> str:
     """Add one generated token; return the text it completes (empty while a multi-byte character is split)."""
     token = text.to_token(token_id)
     if token is None or token_id in text.special_ids:  # None: ids past the tokenizer (padded vocab)

@@ -95,7 +95,10 @@ class LLMEngine:
                        prompt if isinstance(prompt, str) else None)
         if params.seed is not None:
             seq.generator = torch.Generator(device=self.runner.device).manual_seed(params.seed)
-        detokenizer.start(self.tokenizer, seq)
+        if params.detokenize:
+            detokenizer.start(self.tokenizer, seq)
+        else:
+            seq.text = None
         self.requests[request_id] = seq
         self.scheduler.add(seq)
         return request_id
@@ -179,8 +182,9 @@ class LLMEngine:
         seq.first_token_time = seq.first_token_time or now
         if lp is not None:
             seq.logprobs.append(lp)
-        seq.text += detokenizer.append(self.token_text, seq, token)
         p = seq.params
+        if p.detokenize:
+            seq.text += detokenizer.append(self.token_text, seq, token)
         reason = None
         if (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids:
             reason = "stop"

@@ -23,7 +23,7 @@ class RequestOutput:
     prompt: str | None
     prompt_token_ids: list[int]
     token_ids: list[int]
-    text: str
+    text: str | None  # None where SamplingParams.detokenize was False
     finished: bool
     finish_reason: str | None
     num_cached_tokens: int

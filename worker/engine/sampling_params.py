@@ -17,6 +17,9 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None
+    # False: the engine builds no text (RequestOutput.text is None) and the caller decodes the tokens where it likes
+    # (detokenizer.decode gives the same text): the worker does so on its task threads, off the engine's process
+    detokenize: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -39,6 +42,8 @@ class SamplingParams:
             (all(isinstance(t, int) for t in self.stop_token_ids), "stop_token_ids must be integers"),
             (self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
              "logprobs must be an integer in [0, 20]"),
+            (isinstance(self.detokenize, bool), "detokenize must be a boolean"),
+            (self.detokenize or not self.stop, "stop strings need detokenize=True: they are matched in the text"),
         ]
         for ok, message in checks:
             if not ok:

@@ -45,7 +45,7 @@ class Sequence:
     block_hashes: list[int] = field(default_factory=list)
     generator: torch.Generator | None = None
     finish_reason: str | None = None
-    text: str = ""
+    text: str | None = ""  # None: not detokenized (SamplingParams.detokenize)
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     # incremental detokenizer state: output tokens as strings, and offsets into them
     detok_tokens: list[str] = field(default_factory=list)
