@@ -178,3 +178,13 @@ def test_the_last_layer_runs_only_the_sampled_rows(llm):
         for seq in (decode, whole, partial):
             bm.free(seq)
     assert bm.num_used_blocks == 0
+
+
+def test_outputs_pickle_whole(llm):
+    """The engine's process sends outputs to the worker pickled, through their own __reduce__: every field back."""
+    import pickle
+
+    outs = llm.generate(["one", "two three"], SamplingParams(max_tokens=5, logprobs=2, detokenize=True))
+    back = pickle.loads(pickle.dumps(outs))
+    assert back == outs and back[1].metrics == outs[1].metrics and back[1].logprobs == outs[1].logprobs
+    assert back[1].metrics.finish_time is not None and back[1].text == outs[1].text
