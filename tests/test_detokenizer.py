@@ -8,14 +8,10 @@ from transformers import AutoTokenizer
 
 from worker.engine import detokenizer
 from worker.engine.detokenizer import TokenText
-from worker.engine.sampling_params import SamplingParams
-from worker.engine.sequence import Sequence
 
 
 def _text(token_text: TokenText, tokenizer, prompt: list[int], output: list[int]) -> str:
-    seq = Sequence("r", prompt, SamplingParams(), arrival_time=0.0)
-    detokenizer.start(tokenizer, seq)
-    return "".join(detokenizer.append(token_text, seq, t) for t in output)
+    return detokenizer.decode(tokenizer, token_text, prompt, output)
 
 
 def test_the_backend_path_gives_the_wrappers_text(tokenizer_dir):

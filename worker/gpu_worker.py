@@ -73,6 +73,7 @@ class GpuWorker:
         self.in_flight: set[int] = set()
         self.lock = threading.Lock()
         self.consuming = threading.Event()  # Celery consumes the model's queue: the worker is live
+        self._beat_lock = threading.Lock()  # one beat at a time, each writing the status as it is when it writes
         self.stopping = threading.Event()
         self.closed = threading.Event()
         self._maintenance = threading.Thread(target=self._maintain, name="maintenance", daemon=True)
@@ -84,7 +85,7 @@ class GpuWorker:
         self.responses = Responses(self.processor.tokenizer)
         if self.settings.metrics_port is not None:
             self.metrics.serve(self.settings.metrics_port)
-        self._heartbeat("starting")  # live once Celery consumes the queue (mark_consuming)
+        self._heartbeat()  # starting: live once Celery consumes the queue (mark_consuming)
         freeze_heap()  # the worker's own heap (Celery, SQLAlchemy, transformers) likewise; not measured apart
         self._maintenance.start()
         return self
@@ -92,8 +93,7 @@ class GpuWorker:
     def mark_consuming(self) -> None:
         """Celery's consumer is ready: from now on a message for this model is taken, so the worker is live."""
         self.consuming.set()
-        if not self.stopping.is_set():
-            self._heartbeat("running")
+        self._heartbeat()
 
     def status(self) -> str:
         return "stopping" if self.stopping.is_set() else "running" if self.consuming.is_set() else "starting"
@@ -168,7 +168,7 @@ class GpuWorker:
         if self.stopping.is_set():
             return
         self.stopping.set()
-        self._heartbeat("stopping")
+        self._heartbeat()
         threading.Timer(self.settings.shutdown_grace_seconds, self.bridge.stop).start()
 
     def close(self) -> None:
@@ -192,7 +192,7 @@ class GpuWorker:
                 if now >= due["beat"]:
                     due["beat"] = now + self.settings.heartbeat_seconds
                     self._flush_windows()
-                    self._heartbeat(self.status())
+                    self._heartbeat()
                 if now >= due["reconcile"] and not self.stopping.is_set():
                     due["reconcile"] = now + self.settings.reconcile_seconds
                     reconcile_once(self.sessions, self.app, self.settings.stale_seconds)
@@ -224,10 +224,14 @@ class GpuWorker:
         if rows:
             self._db(lambda s: [store.record_efficiency(s, row) for row in rows])
 
-    def _heartbeat(self, status: str) -> None:
-        self._db(lambda s: store.heartbeat(s, self.id, hostname=socket.gethostname(), pid=os.getpid(),
-                                           model=self.settings.model,
-                                           served_model_name=self.settings.served_model_name, status=status))
+    def _heartbeat(self, status: str | None = None) -> None:
+        """Record the worker's status (default: `status()`, read under the lock, so a beat of the maintenance thread
+        that read "starting" cannot commit after mark_consuming's "running" and leave the worker not live)."""
+        with self._beat_lock:
+            current = status or self.status()
+            self._db(lambda s: store.heartbeat(s, self.id, hostname=socket.gethostname(), pid=os.getpid(),
+                                               model=self.settings.model,
+                                               served_model_name=self.settings.served_model_name, status=current))
 
     def _db(self, work):
         """Run `work(session)` in a transaction, retrying transient database errors with backoff; webhooks the
