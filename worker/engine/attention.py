@@ -8,6 +8,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from kernels import cpu_attention
 from kernels.quant import dequantize_kv_int8, quantize_kv_int8
 
 
@@ -95,9 +96,12 @@ class StepPlan:
 
 
 class TorchAttention:
-    """Reference backend in plain PyTorch, for CPU and CUDA: gathers each sequence's blocks, then SDPA."""
+    """Reference backend in plain PyTorch, for CPU and CUDA: gathers each sequence's blocks, then SDPA. Float32
+    decode rows on the CPU go to the C++ kernel that reads the blocks in place (kernels/cpu_attention.py), unless
+    `cpu_decode_kernel` is False or it cannot be built."""
 
-    def __init__(self):
+    def __init__(self, cpu_decode_kernel: bool = True):
+        self.cpu_decode_kernel = cpu_decode_kernel
         self._plan: tuple[AttentionMetadata, StepPlan] | None = None
 
     def store(self, k: torch.Tensor, v: torch.Tensor, cache: LayerCache, meta: AttentionMetadata) -> None:
@@ -111,8 +115,13 @@ class TorchAttention:
         cache.v.view(nb * bs, h, d).index_copy_(0, meta.slot_mapping, v)
 
     def attend(self, q: torch.Tensor, cache: LayerCache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        plan = self._step_plan(meta, cache, q.dtype)
+        native = self._native_decode(q, cache, meta)
+        plan = self._step_plan(meta, cache, q.dtype, native)
         out = torch.empty_like(q)
+        if native:
+            nd = meta.num_decodes
+            cpu_attention.paged_decode_attention_cpu(q[:nd], cache.k, cache.v, meta.block_tables[:nd],
+                                                     meta.context_lens[:nd], scale, meta.sliding_window, out[:nd])
         for b in plan.decodes:
             out[b.rows] = self._decode(q[b.rows], cache, b, scale)
         for p in plan.prefills:
@@ -121,12 +130,17 @@ class TorchAttention:
             out[b.src] = self._short_prefill(q, cache, b, scale)
         return out
 
-    def _step_plan(self, meta: AttentionMetadata, cache: LayerCache, dtype: torch.dtype) -> StepPlan:
+    def _native_decode(self, q: torch.Tensor, cache: LayerCache, meta: AttentionMetadata) -> bool:
+        return (self.cpu_decode_kernel and meta.num_decodes > 0 and cache.k_scale is None
+                and cpu_attention.supports(q, cache.k) and cpu_attention.available())
+
+    def _step_plan(self, meta: AttentionMetadata, cache: LayerCache, dtype: torch.dtype, native: bool) -> StepPlan:
         if self._plan is None or self._plan[0] is not meta:  # a new step: the first layer builds it
             _, block_size, kv_heads, head_dim = cache.k.shape
             token_bytes = 2 * kv_heads * head_dim * dtype.itemsize  # K and V, as gathered
             short = [i for i in range(meta.num_decodes, len(meta.query_lens)) if meta.query_lens[i] <= SHORT_PREFILL]
-            self._plan = (meta, StepPlan(_decode_buckets(meta, block_size, token_bytes, dtype),
+            decodes = [] if native else _decode_buckets(meta, block_size, token_bytes, dtype)
+            self._plan = (meta, StepPlan(decodes,
                                          _prefill_rows(meta, block_size, set(short)),
                                          _short_prefill_buckets(meta, short, block_size, token_bytes, dtype)))
         return self._plan[1]

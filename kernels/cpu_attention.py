@@ -1,0 +1,80 @@
+"""Paged decode attention for float32 on the CPU (csrc/paged_decode_cpu.cpp), compiled on first use with PyTorch's
+C++ extension loader; paged_decode_attention_ref (kernels/decode_attention.py) is its reference."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import platform
+from functools import cache
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+SOURCE = Path(__file__).parent / "csrc" / "paged_decode_cpu.cpp"
+HEAD_DIMS = (16, 32, 64, 96, 128, 256)
+# -march=native: the build is for this machine's vector units; its CPU is part of the build's name, so a cache
+# directory shared between machines never hands one a build for another's
+FLAGS = ["-O3", "-march=native", "-fopenmp"]  # OpenMP: ATen's parallel_for, on the libgomp torch already loaded
+
+
+def _cpu_signature() -> str:
+    try:
+        cpu = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    except (OSError, StopIteration):
+        cpu = ""
+    return cpu + platform.machine() + platform.processor()
+
+
+@cache
+def _extension():
+    """The compiled module, or None (logged once) where it cannot be built: no compiler, or not Linux/x86/ARM."""
+    from torch.utils.cpp_extension import load
+
+    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + _cpu_signature().encode())
+    try:
+        return load(f"sluice_paged_decode_{digest.hexdigest()[:12]}", [str(SOURCE)], extra_cflags=FLAGS,
+                    extra_ldflags=["-fopenmp"])
+    except Exception as e:  # a C++ toolchain is optional: attention falls back to gather + SDPA
+        log.warning("the CPU decode attention kernel could not be built (%s); using gather + SDPA instead", e)
+        return None
+
+
+def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Whether the kernel takes this step: float32 query and cache on the CPU, a head_dim it is built for."""
+    return (q.device.type == "cpu" and q.dtype == torch.float32 and k_cache.dtype == torch.float32
+            and q.shape[-1] in HEAD_DIMS and q.shape[1] % k_cache.shape[2] == 0)
+
+
+def available() -> bool:
+    return _extension() is not None
+
+
+def paged_decode_attention_cpu(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """softmax(q k^T * scale) v for one query token per sequence over its first context_lens keys (its last
+    `sliding_window` of them, if given): q [seqs, heads, head_dim], caches [blocks, block_size, kv_heads, head_dim]."""
+    if not supports(q, k_cache) or v_cache.dtype != torch.float32 or v_cache.shape != k_cache.shape:
+        raise ValueError(f"paged_decode_attention_cpu: float32 CPU tensors with head_dim in {HEAD_DIMS} only, got q "
+                         f"{q.dtype} {tuple(q.shape)} on {q.device}, caches {k_cache.dtype} {tuple(k_cache.shape)}")
+    if block_tables.dtype != torch.int32 or context_lens.dtype != torch.int32:
+        raise ValueError("paged_decode_attention_cpu: block_tables and context_lens must be int32")
+    ext = _extension()
+    if ext is None:
+        raise RuntimeError("the CPU decode attention kernel could not be built; see the warning logged above")
+    out = torch.empty_like(q) if out is None else out
+    result = out if out.is_contiguous() else torch.empty_like(q)
+    ext.paged_decode(q.contiguous(), k_cache.contiguous(), v_cache.contiguous(), block_tables.contiguous(),
+                     context_lens.contiguous(), scale, sliding_window or 0, result)
+    if result is not out:
+        out.copy_(result)
+    return out

@@ -1,0 +1,168 @@
+// Paged decode attention on the CPU, float32, one query token per sequence. K and V are read where they lie in the
+// block-paged cache: no gathered copy (index_select of every sequence's blocks, then SDPA reading that copy again,
+// was the engine's costliest op after the GEMMs). Each token's K and V rows of all KV heads are contiguous, so both
+// passes walk the context token by token and the reads stream. Loops over GCC/Clang vectors of 16 floats (split to
+// what the CPU has); no -ffast-math: every sum is taken in a fixed order, whatever the thread count.
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int LANES = 16;
+typedef float vec __attribute__((vector_size(LANES * sizeof(float))));
+
+inline vec load(const float* p) {
+  vec v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+// The lanes summed pairwise in a fixed order (halves, then quarters, ...).
+inline float hsum(vec v) {
+  float s[LANES];
+  std::memcpy(s, &v, sizeof s);
+  for (int w = LANES / 2; w >= 1; w /= 2)
+    for (int l = 0; l < w; ++l) s[l] += s[l + w];
+  return s[0];
+}
+
+// exp(x) for x <= 0 (a score minus its row's maximum): 2^n * p(r), r = x - n ln2 with |r| <= ln2 / 2, and Cephes'
+// expf polynomial for p; within 2 ulp of expf. Branch-free arithmetic, so a loop over it vectorises.
+inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.0f);  // 2^n stays a normal float
+  const float big = 12582912.0f;  // 1.5 * 2^23: adding and subtracting it rounds to the nearest integer
+  const float n = (x * 1.44269504088896341f + big) - big;
+  float r = x - n * 0.693359375f;
+  r = r + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float two_n;
+  std::memcpy(&two_n, &bits, sizeof two_n);
+  return p * two_n;
+}
+
+// A row of scores becomes exp(score - max) in place; returns 1 / their sum.
+inline float softmax_row(float* row, int64_t n) {
+  float m = row[0];
+  for (int64_t t = 1; t < n; ++t) m = std::max(m, row[t]);
+  float sums[LANES] = {0};
+  int64_t t = 0;
+  for (; t + LANES <= n; t += LANES)
+    for (int l = 0; l < LANES; ++l) sums[l] += (row[t + l] = exp_nonpositive(row[t + l] - m));
+  for (; t < n; ++t) sums[0] += (row[t] = exp_nonpositive(row[t] - m));
+  for (int w = LANES / 2; w >= 1; w /= 2)
+    for (int l = 0; l < w; ++l) sums[l] += sums[l + w];
+  return 1.0f / sums[0];
+}
+
+struct Shape {
+  int64_t block_size, kv_heads, head_dim, group, max_blocks;
+};
+
+// What one thread reuses from sequence to sequence.
+struct Scratch {
+  std::vector<const float*> rows;  // each context token's K row (all KV heads)
+  std::vector<float> scores;       // [heads, context]
+  std::vector<float> inv;          // [heads]: 1 / softmax denominator
+  std::vector<vec> acc;            // [heads, head_dim / LANES]
+};
+
+// One sequence, all its heads, over the keys [first, ctx): scores, softmax, then the weighted sum of values.
+template <int D>  // head_dim / LANES
+void attend_one(const float* q, const float* k_cache, const float* v_cache, const int32_t* table, int64_t first,
+                int64_t ctx, const Shape& s, float scale, Scratch& w, float* out) {
+  const int64_t n = ctx - first, heads = s.kv_heads * s.group, token_stride = s.kv_heads * s.head_dim;
+  const int64_t block_stride = s.block_size * token_stride;
+  for (int64_t t = 0; t < n; ++t) {
+    const int64_t pos = first + t;
+    w.rows[t] = k_cache + table[pos / s.block_size] * block_stride + (pos % s.block_size) * token_stride;
+  }
+  vec* qs = w.acc.data();  // the scaled queries, until the value pass needs the space
+  for (int64_t h = 0; h < heads; ++h)
+    for (int c = 0; c < D; ++c) qs[h * D + c] = load(q + (h * D + c) * LANES) * scale;
+  for (int64_t t = 0; t < n; ++t) {
+    for (int64_t h = 0; h < heads; ++h) {
+      const float* k = w.rows[t] + (h / s.group) * s.head_dim;
+      vec dot = qs[h * D] * load(k);
+      for (int c = 1; c < D; ++c) dot += qs[h * D + c] * load(k + c * LANES);
+      w.scores[h * n + t] = hsum(dot);
+    }
+  }
+  for (int64_t h = 0; h < heads; ++h) w.inv[h] = softmax_row(w.scores.data() + h * n, n);
+  vec* acc = w.acc.data();
+  std::fill(acc, acc + heads * D, vec{});
+  const int64_t v_offset = v_cache - k_cache;
+  for (int64_t t = 0; t < n; ++t) {
+    for (int64_t h = 0; h < heads; ++h) {
+      const float* v = w.rows[t] + v_offset + (h / s.group) * s.head_dim;
+      const float p = w.scores[h * n + t];
+      for (int c = 0; c < D; ++c) acc[h * D + c] += p * load(v + c * LANES);
+    }
+  }
+  for (int64_t h = 0; h < heads; ++h)
+    for (int c = 0; c < D; ++c) {
+      const vec o = acc[h * D + c] * w.inv[h];
+      std::memcpy(out + (h * D + c) * LANES, &o, sizeof o);
+    }
+}
+
+using AttendFn = decltype(&attend_one<1>);
+
+AttendFn attend_for(int64_t head_dim) {
+  switch (head_dim) {
+    case 16: return attend_one<1>;
+    case 32: return attend_one<2>;
+    case 64: return attend_one<4>;
+    case 96: return attend_one<6>;
+    case 128: return attend_one<8>;
+    case 256: return attend_one<16>;
+    default: TORCH_CHECK(false, "paged_decode: head_dim ", head_dim, " is not 16, 32, 64, 96, 128 or 256");
+  }
+}
+
+}  // namespace
+
+// q and out [seqs, heads, head_dim], contiguous; k_cache and v_cache [blocks, block_size, kv_heads, head_dim],
+// contiguous; block_tables [seqs, max_blocks] int32; context_lens [seqs] int32; window > 0: attend to the last
+// `window` tokens only. The caller (kernels/cpu_attention.py) checks dtypes, devices and layouts.
+void paged_decode(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                  const torch::Tensor& block_tables, const torch::Tensor& context_lens, double scale, int64_t window,
+                  torch::Tensor& out) {
+  const int64_t seqs = q.size(0), heads = q.size(1);
+  if (seqs == 0) return;
+  const Shape s{k_cache.size(1), k_cache.size(2), k_cache.size(3), heads / k_cache.size(2), block_tables.size(1)};
+  const AttendFn attend = attend_for(s.head_dim);
+  const float* qp = q.data_ptr<float>();
+  const float* kp = k_cache.data_ptr<float>();
+  const float* vp = v_cache.data_ptr<float>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int32_t* ctx = context_lens.data_ptr<int32_t>();
+  float* op = out.data_ptr<float>();
+  const int64_t longest = std::max<int64_t>(1, *std::max_element(ctx, ctx + seqs));
+  at::parallel_for(0, seqs, 1, [&](int64_t begin, int64_t end) {
+    Scratch w{std::vector<const float*>(longest), std::vector<float>(heads * longest), std::vector<float>(heads),
+              std::vector<vec>(heads * s.head_dim / LANES)};
+    for (int64_t seq = begin; seq < end; ++seq) {
+      const int64_t n = ctx[seq], first = window > 0 ? std::max<int64_t>(0, n - window) : 0;
+      const int64_t offset = seq * heads * s.head_dim;
+      attend(qp + offset, kp, vp, tables + seq * s.max_blocks, first, n, s, static_cast<float>(scale), w,
+             op + offset);
+    }
+  });
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode", &paged_decode, "paged decode attention, float32, on the CPU");
+}
