@@ -44,10 +44,11 @@ def _step(gen: torch.Generator, int8: bool):
 
 @pytest.mark.parametrize("int8", [False, True], ids=["float_cache", "int8_cache"])
 @pytest.mark.parametrize("short", [attention.SHORT_PREFILL, 0], ids=["short_buckets", "every_prefill_alone"])
-def test_a_whole_step_matches_the_reference(monkeypatch, int8, short):
+@pytest.mark.parametrize("cpu_kernel", [True, False], ids=["cpu_decode_kernel", "decode_buckets"])
+def test_a_whole_step_matches_the_reference(monkeypatch, int8, short, cpu_kernel):
     monkeypatch.setattr(attention, "SHORT_PREFILL", short)
     q, cache, meta = _step(torch.Generator().manual_seed(0), int8)
-    backend = TorchAttention()
+    backend = TorchAttention(cpu_decode_kernel=cpu_kernel)
     out = backend.attend(q, cache, meta, DIM ** -0.5)
     want = paged_prefill_attention_ref(q, cache.k, cache.v, meta.block_tables, meta.cu_seqlens_q, meta.context_lens,
                                        DIM ** -0.5, k_scale=cache.k_scale, v_scale=cache.v_scale)
@@ -64,9 +65,9 @@ def test_a_sliding_window_masks_the_same_keys_in_buckets_as_alone(monkeypatch):
     q, cache, meta = _step(torch.Generator().manual_seed(1), False)
     meta.sliding_window = 12
     outs = []
-    for short in (attention.SHORT_PREFILL, 0):
+    for short, cpu_kernel in ((attention.SHORT_PREFILL, True), (0, False)):  # decode rows by the kernel, then not
         monkeypatch.setattr(attention, "SHORT_PREFILL", short)
-        outs.append(TorchAttention().attend(q, cache, meta, DIM ** -0.5))
+        outs.append(TorchAttention(cpu_decode_kernel=cpu_kernel).attend(q, cache, meta, DIM ** -0.5))
     torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-5)
     meta.sliding_window = None  # and the window did change the output
     assert not torch.allclose(outs[0], TorchAttention().attend(q, cache, meta, DIM ** -0.5), atol=1e-3)
