@@ -104,6 +104,12 @@ class TorchAttention:
         self.cpu_decode_kernel = cpu_decode_kernel
         self._plan: tuple[AttentionMetadata, StepPlan] | None = None
 
+    def prepare(self, device: torch.device, dtype: torch.dtype) -> None:
+        """Build the C++ kernel now if this engine will use it (about 25 s the first time on a machine, then cached),
+        rather than inside the first decode step."""
+        if self.cpu_decode_kernel and device.type == "cpu" and dtype == torch.float32:
+            cpu_attention.available()
+
     def store(self, k: torch.Tensor, v: torch.Tensor, cache: LayerCache, meta: AttentionMetadata) -> None:
         if cache.k_scale is not None:
             k, k_scale = quantize_kv_int8(k)

@@ -39,7 +39,9 @@ class ModelRunner:
     def _attention_backend(self):
         kind = self.config.backend("attention_backend")
         if kind == "torch" or (self.model_config.sliding_window and self.config.attention_backend == "auto"):
-            return TorchAttention()
+            backend = TorchAttention()
+            backend.prepare(self.device, self.dtype)
+            return backend
         if self.model_config.sliding_window:
             raise ValueError("the triton attention backend has no sliding window; use attention_backend='torch'")
         from worker.engine.triton_attention import TritonAttention
