@@ -11,6 +11,8 @@ from pathlib import Path
 
 import torch
 
+from kernels.decode_attention import check_decode_inputs
+
 log = logging.getLogger(__name__)
 SOURCE = Path(__file__).parent / "csrc" / "paged_decode_cpu.cpp"
 HEAD_DIMS = (16, 32, 64, 96, 128, 256)
@@ -68,6 +70,7 @@ def paged_decode_attention_cpu(
                          f"{q.dtype} {tuple(q.shape)} on {q.device}, caches {k_cache.dtype} {tuple(k_cache.shape)}")
     if block_tables.dtype != torch.int32 or context_lens.dtype != torch.int32:
         raise ValueError("paged_decode_attention_cpu: block_tables and context_lens must be int32")
+    check_decode_inputs(q, k_cache, v_cache, block_tables, context_lens, None, None)
     ext = _extension()
     if ext is None:
         raise RuntimeError("the CPU decode attention kernel could not be built; see the warning logged above")

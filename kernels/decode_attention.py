@@ -82,8 +82,8 @@ def _decode_reduce_kernel(
              mask=d < HEAD_DIM)
 
 
-def _check(q, k_cache, v_cache, block_tables, context_lens, k_scale, v_scale) -> bool:
-    """Validates shapes and returns whether the cache is INT8."""
+def check_decode_inputs(q, k_cache, v_cache, block_tables, context_lens, k_scale, v_scale) -> bool:
+    """Validates shapes (for the Triton kernel, its reference and the CPU kernel); returns whether the cache is INT8."""
     num_seqs, num_heads, head_dim = q.shape
     quantized = check_kv_cache("decode attention", k_cache, v_cache, None, head_dim, k_scale, v_scale)
     if num_heads % k_cache.shape[2]:
@@ -116,7 +116,7 @@ def paged_decode_attention(
     context without reading context_lens back to the host. Rows with context_len 0 (batch padding) are left
     unspecified.
     """
-    quantized = _check(q, k_cache, v_cache, block_tables, context_lens, k_scale, v_scale)
+    quantized = check_decode_inputs(q, k_cache, v_cache, block_tables, context_lens, k_scale, v_scale)
     num_seqs, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     out = torch.empty_like(q) if out is None else out
@@ -169,7 +169,7 @@ def paged_decode_attention_ref(
 
     num_splits is accepted for signature parity; splitting does not change the result.
     """
-    _check(q, k_cache, v_cache, block_tables, context_lens, k_scale, v_scale)
+    check_decode_inputs(q, k_cache, v_cache, block_tables, context_lens, k_scale, v_scale)
     out = torch.empty_like(q) if out is None else out
     for i, n in enumerate(context_lens.tolist()):
         k, v = gather_context(k_cache, v_cache, block_tables, i, n, k_scale, v_scale, q.shape[1])

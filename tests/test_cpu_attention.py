@@ -81,6 +81,8 @@ def test_writes_into_a_strided_out():
     (lambda a: {**a, "context_lens": a["context_lens"].long()}, "int32"),
     (lambda a: {**a, "q": a["q"][:, :, :12].contiguous(), "k_cache": a["k_cache"][..., :12].contiguous(),
                 "v_cache": a["v_cache"][..., :12].contiguous()}, "head_dim"),
+    (lambda a: {**a, "block_tables": a["block_tables"][:-1]}, "must have 7 rows"),
+    (lambda a: {**a, "block_tables": a["block_tables"][:, :2].contiguous()}, "333 tokens is longer than"),
 ])
 def test_rejects_what_it_cannot_run(change, message):
     q, k, v, tables, ctx = _paged(torch.Generator().manual_seed(6), CONTEXTS, 4, 2, 32)

@@ -136,7 +136,7 @@ AttendFn attend_for(int64_t head_dim) {
 
 // q and out [seqs, heads, head_dim], contiguous; k_cache and v_cache [blocks, block_size, kv_heads, head_dim],
 // contiguous; block_tables [seqs, max_blocks] int32; context_lens [seqs] int32; window > 0: attend to the last
-// `window` tokens only. The caller (kernels/cpu_attention.py) checks dtypes, devices and layouts.
+// `window` tokens only. The caller (kernels/cpu_attention.py) checks dtypes, devices and shapes.
 void paged_decode(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                   const torch::Tensor& block_tables, const torch::Tensor& context_lens, double scale, int64_t window,
                   torch::Tensor& out) {
@@ -151,6 +151,9 @@ void paged_decode(const torch::Tensor& q, const torch::Tensor& k_cache, const to
   const int32_t* ctx = context_lens.data_ptr<int32_t>();
   float* op = out.data_ptr<float>();
   const int64_t longest = std::max<int64_t>(1, *std::max_element(ctx, ctx + seqs));
+  // the loops index the table by position unchecked: a context past its columns would read outside it
+  TORCH_CHECK_VALUE(longest <= s.max_blocks * s.block_size, "paged_decode_attention_cpu: a context of ", longest,
+                    " tokens is longer than block_tables' ", s.max_blocks, " blocks of ", s.block_size);
   at::parallel_for(0, seqs, 1, [&](int64_t begin, int64_t end) {
     Scratch w{std::vector<const float*>(longest), std::vector<float>(heads * longest), std::vector<float>(heads),
               std::vector<vec>(heads * s.head_dim / LANES)};
