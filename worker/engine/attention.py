@@ -93,6 +93,7 @@ class StepPlan:
     decodes: list[DecodeBucket]
     prefills: list[PrefillRow]
     short_prefills: list[PrefillBucket]
+    cpu_decode: bool = False  # the decode rows go to the C++ kernel, not to buckets
 
 
 class TorchAttention:
@@ -121,10 +122,9 @@ class TorchAttention:
         cache.v.view(nb * bs, h, d).index_copy_(0, meta.slot_mapping, v)
 
     def attend(self, q: torch.Tensor, cache: LayerCache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        native = self._native_decode(q, cache, meta)
-        plan = self._step_plan(meta, cache, q.dtype, native)
+        plan = self._step_plan(meta, cache, q)
         out = torch.empty_like(q)
-        if native:
+        if plan.cpu_decode:
             nd = meta.num_decodes
             cpu_attention.paged_decode_attention_cpu(q[:nd], cache.k, cache.v, meta.block_tables[:nd],
                                                      meta.context_lens[:nd], scale, meta.sliding_window, out[:nd])
@@ -140,15 +140,17 @@ class TorchAttention:
         return (self.cpu_decode_kernel and meta.num_decodes > 0 and cache.k_scale is None
                 and cpu_attention.supports(q, cache.k) and cpu_attention.available())
 
-    def _step_plan(self, meta: AttentionMetadata, cache: LayerCache, dtype: torch.dtype, native: bool) -> StepPlan:
+    def _step_plan(self, meta: AttentionMetadata, cache: LayerCache, q: torch.Tensor) -> StepPlan:
         if self._plan is None or self._plan[0] is not meta:  # a new step: the first layer builds it
+            dtype, native = q.dtype, self._native_decode(q, cache, meta)
             _, block_size, kv_heads, head_dim = cache.k.shape
             token_bytes = 2 * kv_heads * head_dim * dtype.itemsize  # K and V, as gathered
             short = [i for i in range(meta.num_decodes, len(meta.query_lens)) if meta.query_lens[i] <= SHORT_PREFILL]
             decodes = [] if native else _decode_buckets(meta, block_size, token_bytes, dtype)
             self._plan = (meta, StepPlan(decodes,
                                          _prefill_rows(meta, block_size, set(short)),
-                                         _short_prefill_buckets(meta, short, block_size, token_bytes, dtype)))
+                                         _short_prefill_buckets(meta, short, block_size, token_bytes, dtype),
+                                         native))
         return self._plan[1]
 
     def _decode(self, q: torch.Tensor, cache: LayerCache, b: DecodeBucket, scale: float) -> torch.Tensor:
