@@ -93,11 +93,11 @@ def test_cpu_vendor_reads_this_machine():
 
 def test_row_buckets_are_few_and_pad_little():
     sizes = {bucket_rows(rows) for rows in range(1, 4097)}
-    assert len(sizes) <= 128  # with ~5 projection shapes, well inside oneDNN's 1024 cached primitives
+    assert len(sizes) * 5 <= 1024  # the primitives of ~5 projection shapes stay inside oneDNN's cache of 1024
     for rows in range(1, 8193):
         padded = bucket_rows(rows)
         assert padded >= rows and bucket_rows(padded) == padded  # a bucket size maps to itself
-        assert (padded == rows) if rows <= 16 else (padded % 8 == 0)
+        assert (padded == rows) if rows <= 64 else (padded % 8 == 0)
         if rows > 256:
             assert padded - rows <= rows / 16
 
@@ -111,7 +111,7 @@ def test_padded_rows_do_not_leak_into_the_result():
     torch.nn.init.normal_(layer.weight)
     torch.nn.init.normal_(layer.bias)
     layer.method = ONEDNN_FLOAT32
-    for rows in (17, 100, 257, 1000):
+    for rows in (65, 100, 257, 1000):
         assert bucket_rows(rows) > rows
         x = torch.randn(rows, 32)
         got = layer(x)
