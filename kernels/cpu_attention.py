@@ -3,44 +3,16 @@ C++ extension loader; paged_decode_attention_ref (kernels/decode_attention.py) i
 
 from __future__ import annotations
 
-import hashlib
-import logging
-import platform
-from functools import cache
-from pathlib import Path
-
 import torch
 
+from kernels.cpu_build import build
 from kernels.decode_attention import check_decode_inputs
 
-log = logging.getLogger(__name__)
-SOURCE = Path(__file__).parent / "csrc" / "paged_decode_cpu.cpp"
 HEAD_DIMS = (16, 32, 64, 96, 128, 256)
-# -march=native: the build is for this machine's vector units; its CPU is part of the build's name, so a cache
-# directory shared between machines never hands one a build for another's
-FLAGS = ["-O3", "-march=native", "-fopenmp"]  # OpenMP: ATen's parallel_for, on the libgomp torch already loaded
 
 
-def _cpu_signature() -> str:
-    try:
-        cpu = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
-    except (OSError, StopIteration):
-        cpu = ""
-    return cpu + platform.machine() + platform.processor()
-
-
-@cache
 def _extension():
-    """The compiled module, or None (logged once) where it cannot be built: no compiler, or not Linux/x86/ARM."""
-    from torch.utils.cpp_extension import load
-
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + _cpu_signature().encode())
-    try:
-        return load(f"sluice_paged_decode_{digest.hexdigest()[:12]}", [str(SOURCE)], extra_cflags=FLAGS,
-                    extra_ldflags=["-fopenmp"])
-    except Exception as e:  # a C++ toolchain is optional: attention falls back to gather + SDPA
-        log.warning("the CPU decode attention kernel could not be built (%s); using gather + SDPA instead", e)
-        return None
+    return build("paged_decode_cpu.cpp")
 
 
 def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:

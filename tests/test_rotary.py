@@ -29,7 +29,7 @@ def test_tables_match_transformers(scaling):
     config = hf_config(SCALINGS[scaling])
     ours = RotaryEmbedding(ModelConfig.from_dict(config.to_dict()), 4096)
     positions = torch.tensor([0, 1, 7, 300, 2047, 4095])
-    cos, sin = ours(positions, torch.float32)
+    cos, sin = ours.lookup(positions, torch.float32)
     x = torch.zeros(1, len(positions), HEAD_DIM)
     want_cos, want_sin = LlamaRotaryEmbedding(config)(x, positions[None])
     torch.testing.assert_close(cos[:, 0], want_cos[0], rtol=1e-5, atol=1e-5)
@@ -41,7 +41,7 @@ def test_rotation_is_bit_for_bit_transformers(dtype):
     torch.manual_seed(0)
     rotary = RotaryEmbedding(ModelConfig.from_dict(hf_config(None).to_dict()), 4096)
     positions = torch.randint(0, 4096, (37,))
-    cos, sin = rotary(positions, dtype)
+    cos, sin = rotary.lookup(positions, dtype)
     # q's and k's heads side by side in a wider row, as the fused qkv projection leaves them (a strided view)
     qkv = (torch.randn(len(positions), HEADS + 2 * KV_HEADS, HEAD_DIM) * 4).to(dtype)
     out = apply_rotary(qkv[:, :HEADS + KV_HEADS], cos, sin)
@@ -52,3 +52,7 @@ def test_rotation_is_bit_for_bit_transformers(dtype):
     assert torch.equal(out[:, :HEADS], want_q[0].transpose(0, 1))
     assert torch.equal(out[:, HEADS:], want_k[0].transpose(0, 1))
     assert torch.equal(qkv[:, :HEADS], q)  # the input is left as it was
+    # the step's Rope as the model applies it: the C++ kernel in place for float32 on the CPU (where built)
+    rotated = qkv.clone()
+    assert torch.equal(rotary(positions, dtype).apply(rotated[:, :HEADS + KV_HEADS]), out)
+    assert torch.equal(rotated[:, HEADS + KV_HEADS:], qkv[:, HEADS + KV_HEADS:])  # v is never touched

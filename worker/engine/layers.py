@@ -1,13 +1,18 @@
-"""Small model layers: RMSNorm, rotary embeddings (default, linear, Llama 3), SiLU-gated MLP activation."""
+"""Small model layers: RMSNorm, rotary embeddings (default, linear, Llama 3), SiLU-gated MLP activation.
+
+Float32 on the CPU they run as C++ kernels (kernels/cpu_layers.py), one pass each; the PyTorch forms here serve
+every other device and dtype, and are the kernels' references."""
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels import cpu_layers
 from worker.engine.config import ModelConfig, ModelError
 
 
@@ -17,7 +22,18 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """norm(x); with `residual`, (norm(x + residual), x + residual): a decoder layer adds each sublayer's output
+        to the residual stream and normalises the sum (the C++ kernel writes the sum into `residual` in place)."""
+        if cpu_layers.takes(x):
+            out = cpu_layers.rms_norm(x, self.weight, self.eps, residual)
+            return out if residual is None else (out, residual)
+        if residual is None:
+            return self._norm(x)
+        residual = x + residual
+        return self._norm(residual), residual
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         # in float32 then back, the order transformers uses, so greedy tokens match it exactly
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -25,6 +41,8 @@ class RMSNorm(nn.Module):
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    if cpu_layers.takes(x):
+        return cpu_layers.silu_and_mul(x)
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate).mul_(up)  # in place: one [tokens, intermediate] buffer fewer, same values
 
@@ -64,9 +82,28 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
 
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin of the step's positions, [tokens, 1, head_dim]: looked up once per forward for every layer."""
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> Rope:
+        """The step's rotation, for every layer: cos and sin looked up once per forward, [tokens, 1, head_dim]
+        (the C++ kernel looks them up itself)."""
+        if positions.device.type == "cpu" and dtype == torch.float32 and cpu_layers.available():
+            return Rope(positions=positions, cos=self.cos, sin=self.sin)
+        return Rope(*self.lookup(positions, dtype))
+
+    def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
+
+
+@dataclass
+class Rope:
+    cos: torch.Tensor
+    sin: torch.Tensor
+    positions: torch.Tensor | None = None  # set: cos and sin are the whole tables, for the C++ kernel
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        """x [tokens, heads, head_dim] rotated: in place by the C++ kernel, into a new tensor otherwise."""
+        if self.positions is not None:
+            return cpu_layers.rotary_(x, self.positions, self.cos, self.sin)
+        return apply_rotary(x, self.cos, self.sin)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

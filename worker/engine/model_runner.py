@@ -6,6 +6,7 @@ from functools import cached_property
 
 import torch
 
+from kernels import cpu_layers
 from worker.engine.attention import AttentionMetadata, LayerCache, TorchAttention
 from worker.engine.config import CPU_DEFAULT_KV_CACHE_MEMORY, CUDA_MEMORY_FRACTION, EngineConfig, ModelConfig
 from worker.engine.linear import DENSE, ONEDNN_FLOAT32, PACKED_FLOAT32, Linear, can_pack_float32, cpu_gemm
@@ -23,6 +24,8 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.kv_int8 = config.kv_cache_dtype == "int8"
         self.backend = self._attention_backend()
+        if self.device.type == "cpu" and self.dtype == torch.float32:
+            cpu_layers.available()  # built now (once per machine), not inside the first step
         self.model = build_model(model_config, self.backend, max_model_len, self.dtype, self.device)
         if config.load_format == "dummy":
             init_dummy_weights(self.model)

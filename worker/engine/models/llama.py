@@ -7,7 +7,7 @@ from torch import nn
 
 from worker.engine.attention import AttentionBackend, AttentionMetadata, LayerCache
 from worker.engine.config import ModelConfig
-from worker.engine.layers import RMSNorm, RotaryEmbedding, apply_rotary, silu_and_mul
+from worker.engine.layers import RMSNorm, Rope, RotaryEmbedding, silu_and_mul
 from worker.engine.linear import Linear
 
 # checkpoint projection name -> (fused module, shard index)
@@ -16,9 +16,6 @@ FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_p
 # a CPU prefill's MLP runs this many tokens at a time: the [tokens, 2 x intermediate] activation then stays in cache
 # between gate/up, SiLU and down (prefill steps of 2048 tokens ran 7-9% faster with 512 in interleaved runs)
 CPU_MLP_ROWS = 512
-
-
-Rope = tuple[torch.Tensor, torch.Tensor]  # the step's cos and sin, [tokens, 1, head_dim]
 
 
 class Attention(nn.Module):
@@ -36,7 +33,7 @@ class Attention(nn.Module):
         """Stores every token's K and V; returns the output of every token, or of the `keep` rows only."""
         qkv = self.qkv_proj(x).view(x.shape[0], -1, self.head_dim)
         heads = self.num_heads + self.num_kv_heads
-        qk = apply_rotary(qkv[:, :heads], *rope)  # q's and k's heads are adjacent: rotated in one pass
+        qk = rope.apply(qkv[:, :heads])  # q's and k's heads are adjacent: rotated in one pass
         q, k, v = qk[:, :self.num_heads], qk[:, self.num_heads:], qkv[:, heads:]
         self.backend.store(k, v, cache, meta)
         out = self.backend.attend(q, cache, meta, self.scale).reshape(-1, self.num_heads * self.head_dim)
@@ -67,11 +64,17 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.mlp = MLP(c)
 
-    def forward(self, x, rope: Rope, cache: LayerCache, meta: AttentionMetadata,
-                keep: torch.Tensor | None = None) -> torch.Tensor:
-        h = self.self_attn(self.input_layernorm(x), rope, cache, meta, keep)
-        x = (x if keep is None else x[keep]) + h
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, rope: Rope, cache: LayerCache, meta: AttentionMetadata,
+                keep: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the last sublayer's output, to add to `residual` (None before the first layer: x is the embeddings).
+        Returns this layer's MLP output and the residual stream before it, of the `keep` rows only if given."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(h, rope, cache, meta, keep)
+        h, residual = self.post_attention_layernorm(h, residual if keep is None else residual[keep])
+        return self.mlp(h), residual
 
 
 class Decoder(nn.Module):
@@ -86,12 +89,12 @@ class Decoder(nn.Module):
                 keep: torch.Tensor | None = None):
         """Hidden states of every token, or of the `keep` rows only: a prompt token's last-layer output is never
         read (only its K and V are), so the last layer's o_proj and MLP run on the rows that are sampled."""
-        x = self.embed_tokens(input_ids)
+        x, residual = self.embed_tokens(input_ids), None
         rope = self.rotary(positions, x.dtype)
         last = len(self.layers) - 1
         for i, (layer, cache) in enumerate(zip(self.layers, caches)):
-            x = layer(x, rope, cache, meta, keep if i == last else None)
-        return self.norm(x)
+            x, residual = layer(x, residual, rope, cache, meta, keep if i == last else None)
+        return self.norm(x, residual)[0]
 
 
 class LlamaForCausalLM(nn.Module):

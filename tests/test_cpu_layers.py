@@ -1,0 +1,121 @@
+"""The C++ CPU element-wise layers (kernels/cpu_layers.py) against transformers' own Llama layers and PyTorch's ops,
+and the engine's layers taking them for float32 on the CPU only."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import LlamaConfig
+from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
+
+from kernels import cpu_layers
+from worker.engine import layers
+from worker.engine.config import ModelConfig
+
+pytestmark = pytest.mark.skipif(not cpu_layers.available(), reason="no C++ toolchain to build the kernels")
+
+
+def _hf_norm(weight: torch.Tensor, eps: float) -> LlamaRMSNorm:
+    norm = LlamaRMSNorm(weight.numel(), eps)
+    norm.weight.data.copy_(weight)
+    return norm
+
+
+@pytest.mark.parametrize("d", [64, 100, 1024])
+@pytest.mark.parametrize("rows", [1, 7, 300])
+def test_rms_norm_matches_transformers(rows, d):
+    gen = torch.Generator().manual_seed(rows * d)
+    x, weight = torch.randn(rows, d, generator=gen) * 3, torch.rand(d, generator=gen) + 0.5
+    got = cpu_layers.rms_norm(x, weight, 1e-5)
+    torch.testing.assert_close(got, _hf_norm(weight, 1e-5)(x), rtol=2e-6, atol=1e-6)
+
+
+def test_rms_norm_adds_the_residual_in_place_first():
+    gen = torch.Generator().manual_seed(1)
+    wide = torch.randn(33, 3 * 96, generator=gen)
+    x = wide[:, 96:192]  # a strided view: rows 288 floats apart
+    residual, weight = torch.randn(33, 96, generator=gen), torch.rand(96, generator=gen)
+    want_sum = x + residual
+    got = cpu_layers.rms_norm(x, weight, 1e-6, residual)
+    assert torch.equal(residual, want_sum)  # the same single rounding as PyTorch's add
+    torch.testing.assert_close(got, _hf_norm(weight, 1e-6)(want_sum), rtol=2e-6, atol=1e-6)
+    assert got.is_contiguous() and torch.equal(x, wide[:, 96:192])
+
+
+def test_silu_and_mul_matches_pytorch_including_extremes():
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(45, 2 * 200, generator=gen) * 4
+    x[0, :6] = torch.tensor([-100.0, -88.5, -20.0, 0.0, 20.0, 100.0])  # exp over- and underflow for silu
+    gate, up = x.chunk(2, dim=-1)
+    torch.testing.assert_close(cpu_layers.silu_and_mul(x), F.silu(gate) * up, rtol=1e-6, atol=1e-30)
+
+
+def test_rotary_is_bit_for_bit_transformers_for_q_and_k_in_a_fused_qkv():
+    heads, kv_heads, dim, tokens = 8, 2, 64, 37
+    config = LlamaConfig(hidden_size=heads * dim, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                         max_position_embeddings=512, architectures=["LlamaForCausalLM"])
+    rope = layers.RotaryEmbedding(ModelConfig.from_dict(config.to_dict()), 512)
+    gen = torch.Generator().manual_seed(3)
+    positions = torch.randperm(512, generator=gen)[:tokens]
+    qkv = torch.randn(tokens, heads + 2 * kv_heads, dim, generator=gen)
+    q, k, v = qkv[:, :heads].clone(), qkv[:, heads:heads + kv_heads].clone(), qkv[:, heads + kv_heads:].clone()
+    cpu_layers.rotary_(qkv[:, :heads + kv_heads], positions, rope.cos, rope.sin)
+    cos, sin = rope.cos[positions], rope.sin[positions]
+    want_q, want_k = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos[None], sin[None])
+    assert torch.equal(qkv[:, :heads], want_q[0].transpose(0, 1))
+    assert torch.equal(qkv[:, heads:heads + kv_heads], want_k[0].transpose(0, 1))
+    assert torch.equal(qkv[:, heads + kv_heads:], v)  # v untouched
+
+
+def test_the_thread_count_does_not_change_a_bit():
+    gen = torch.Generator().manual_seed(4)
+    x, residual, weight = (torch.randn(1000, 256, generator=gen) for _ in range(3))
+    before = torch.get_num_threads()
+    results = []
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            r = residual.clone()
+            results.append((cpu_layers.rms_norm(x, weight[0], 1e-5, r), r, cpu_layers.silu_and_mul(x)))
+    finally:
+        torch.set_num_threads(before)
+    for got in results[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(got, results[0]))
+
+
+@pytest.mark.parametrize(("call", "message"), [
+    (lambda: cpu_layers.rms_norm(torch.randn(4, 8, dtype=torch.float64), torch.ones(8), 1e-5), "float32"),
+    (lambda: cpu_layers.rms_norm(torch.randn(4, 8), torch.ones(9), 1e-5), "weight"),
+    (lambda: cpu_layers.rms_norm(torch.randn(4, 8), torch.ones(8), 1e-5, torch.zeros(3, 8)), "residual"),
+    (lambda: cpu_layers.rms_norm(torch.randn(8, 4).t(), torch.ones(8), 1e-5), "unit column stride"),
+    (lambda: cpu_layers.silu_and_mul(torch.randn(4, 7)), "odd"),
+    (lambda: cpu_layers.rotary_(torch.randn(2, 1, 8), torch.tensor([0, 1], dtype=torch.int32), torch.ones(4, 8),
+                                torch.ones(4, 8)), "int64"),
+])
+def test_rejects_what_it_cannot_run(call, message):
+    with pytest.raises(ValueError, match=message):
+        call()
+
+
+def test_rotary_refuses_a_position_outside_its_table():
+    with pytest.raises(IndexError, match="position 4 is outside the table's 4"):
+        cpu_layers.rotary_(torch.randn(2, 1, 8), torch.tensor([0, 4]), torch.ones(4, 8), torch.ones(4, 8))
+
+
+def test_the_engine_layers_take_the_kernels_for_float32_on_the_cpu_only(monkeypatch):
+    """RMSNorm with and without the residual, and SiLU-and-mul, agree between the kernel and the PyTorch forms; the
+    kernels are not called for bfloat16."""
+    gen = torch.Generator().manual_seed(5)
+    norm = layers.RMSNorm(128, 1e-5)
+    norm.weight.data.copy_(torch.rand(128, generator=gen))
+    x, residual, gate_up = torch.randn(9, 128, generator=gen), torch.randn(9, 128, generator=gen), torch.randn(9, 64)
+    fast = (norm(x), *norm(x, residual.clone()), layers.silu_and_mul(gate_up))
+    calls = []
+    monkeypatch.setattr(cpu_layers, "_extension", lambda: calls.append(1))  # None: the PyTorch forms
+    slow = (norm(x), *norm(x, residual.clone()), layers.silu_and_mul(gate_up))
+    for a, b in zip(fast, slow):
+        torch.testing.assert_close(a, b, rtol=2e-6, atol=1e-6)
+    assert calls  # the PyTorch forms ran because the kernels were not there
+    monkeypatch.undo()
+    assert cpu_layers.takes(x) and not cpu_layers.takes(x.bfloat16())
