@@ -4,7 +4,7 @@ one `sluice worker`, against the same requests through the engine alone, in one 
 Prints requests/s and output tokens/s of both, the overhead, and the Postgres rows and Redis messages (and
 commands) per request. Needs the local PostgreSQL and Redis (creates and drops its own database, uses Redis db 15).
 Run: python bench/queue_overhead.py [--requests 10000] [--producers 8] [--batch-lines N]
-     [--model demo|small|DIR] [--repeat 2] [--pin-producers] [--engine-nice N]
+     [--model demo|small|DIR] [--repeat 2] [--pin-producers] [--engine-nice N] [--concurrency N]
 """
 
 from __future__ import annotations
@@ -145,12 +145,13 @@ def engine_nice(worker_pid: int) -> int | None:
 
 
 def through_the_queue(url: str, model: str, requests: list[dict], producers: int, batch_lines: int,
-                      pin_producers: bool, nice: int | None) -> dict:
+                      pin_producers: bool, nice: int | None, concurrency: int | None) -> dict:
     env = {**os.environ, "SLUICE_DATABASE_URL": url, "SLUICE_BROKER_URL": BROKER_URL}
     worker = subprocess.Popen([sys.executable, "-m", "worker", "worker", "--model", model, "--served-model-name",
                                "bench", "--loglevel", "WARNING", "--max-num-seqs", str(ENGINE_FLAGS["max_num_seqs"]),
                                "--max-num-batched-tokens", str(ENGINE_FLAGS["max_num_batched_tokens"]),
-                               *(["--engine-nice", str(nice)] if nice is not None else [])], env=env)
+                               *(["--engine-nice", str(nice)] if nice is not None else []),
+                               *(["--concurrency", str(concurrency)] if concurrency else [])], env=env)
     engine = db.make_engine(url)
     sessions = db.session_factory(engine)
     client = redis.Redis.from_url(BROKER_URL)
@@ -219,7 +220,7 @@ def engine_line(name: str, e: dict) -> str:
 
 
 def service(model: str, requests: list[dict], producers: int, batch_lines: int, pin_producers: bool,
-            nice: int | None) -> dict:
+            nice: int | None, concurrency: int | None) -> dict:
     """One run through the service, on a database of its own (created, migrated, dropped) and a flushed Redis db."""
     admin = create_engine(ADMIN_URL, isolation_level="AUTOCOMMIT")
     name = f"sluice_bench_{uuid.uuid4().hex[:8]}"
@@ -231,7 +232,7 @@ def service(model: str, requests: list[dict], producers: int, batch_lines: int, 
         migrated = db.make_engine(url)
         db.upgrade(migrated)
         migrated.dispose()
-        return through_the_queue(url, model, requests, producers, batch_lines, pin_producers, nice)
+        return through_the_queue(url, model, requests, producers, batch_lines, pin_producers, nice, concurrency)
     finally:
         with admin.connect() as c:
             c.execute(text(f'DROP DATABASE "{name}" WITH (FORCE)'))
@@ -255,6 +256,7 @@ def main() -> None:
     ap.add_argument("--engine-nice", type=int, metavar="N",
                     help="the worker's --engine-nice (default: the worker's own default, -10 for its pinned CPU engine "
                          "where permitted; 0 gives the engine no priority over the other processes on its CPU)")
+    ap.add_argument("--concurrency", type=int, metavar="N", help="the worker's --concurrency (chunks run at once)")
     ap.add_argument("--model", default="demo", help="a checkpoint dir, 'demo', or 'small' (hidden 256, 4 layers)")
     ap.add_argument("--repeat", type=int, default=2,
                     help="runs of each path, interleaved; the fastest of each counts (this machine's speed drifts)")
@@ -276,7 +278,7 @@ def main() -> None:
         for t in counts:
             alones[t].append(engine_alone(args.model, requests, t))
         services.append(service(args.model, requests, args.producers, args.batch_lines, args.pin_producers,
-                                args.engine_nice))
+                                args.engine_nice, args.concurrency))
     best = {t: min(runs, key=lambda a: a[0]) for t, runs in alones.items()}
     alone_s, alone_tokens, alone = min(best.values(), key=lambda a: a[0])
     q = min(services, key=lambda r: r["seconds"])

@@ -12,6 +12,17 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
+
+@pytest.fixture(scope="session", autouse=True)
+def cpu_kernels():
+    """Build the C++ CPU kernels once, first (about 25 s each on a new machine, then cached): the worker and server
+    processes that tests start would otherwise each build them inside their start-up timeouts."""
+    from kernels import cpu_attention, cpu_layers
+
+    cpu_attention.available()
+    cpu_layers.available()
+
+
 ARCHS = {
     # GQA in every model (4 query heads share 2 or 1 KV heads); Qwen2 adds q/k/v bias and tied embeddings
     "llama": ("LlamaForCausalLM", dict(num_key_value_heads=2)),
