@@ -119,3 +119,17 @@ def test_the_engine_layers_take_the_kernels_for_float32_on_the_cpu_only(monkeypa
     assert calls  # the PyTorch forms ran because the kernels were not there
     monkeypatch.undo()
     assert cpu_layers.takes(x) and not cpu_layers.takes(x.bfloat16())
+
+
+def test_a_failed_build_is_logged_and_gives_none(monkeypatch, caplog):
+    """No compiler (or any build error): a warning naming the source, and None, so the layers use PyTorch ops."""
+    import torch.utils.cpp_extension
+
+    from kernels import cpu_build
+
+    def fail(*args, **kwargs):
+        raise OSError("no c++ compiler")
+
+    monkeypatch.setattr(torch.utils.cpp_extension, "load", fail)
+    assert cpu_build.build.__wrapped__("layers_cpu.cpp", ("-ffp-contract=off",)) is None
+    assert "layers_cpu.cpp could not be built (no c++ compiler)" in caplog.text
