@@ -32,7 +32,8 @@ def build(source: str, extra_flags: tuple[str, ...] = ()):
 
     path = CSRC / source
     flags = [*FLAGS, *extra_flags]
-    digest = hashlib.sha256(path.read_bytes() + " ".join(flags).encode() + _cpu_signature().encode())
+    headers = b"".join(h.read_bytes() for h in sorted(CSRC.glob("*.h")))  # what the sources include
+    digest = hashlib.sha256(path.read_bytes() + headers + " ".join(flags).encode() + _cpu_signature().encode())
     try:
         return load(f"sluice_{path.stem}_{digest.hexdigest()[:12]}", [str(path)], extra_cflags=flags,
                     extra_ldflags=["-fopenmp"])

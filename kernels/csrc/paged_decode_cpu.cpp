@@ -7,6 +7,8 @@
 
 #include <ATen/Parallel.h>
 
+#include "vec_math.h"
+
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -15,23 +17,7 @@
 
 namespace {
 
-constexpr int LANES = 16;
-typedef float vec __attribute__((vector_size(LANES * sizeof(float))));
-
-inline vec load(const float* p) {
-  vec v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-
-// The lanes summed pairwise in a fixed order (halves, then quarters, ...).
-inline float hsum(vec v) {
-  float s[LANES];
-  std::memcpy(s, &v, sizeof s);
-  for (int w = LANES / 2; w >= 1; w /= 2)
-    for (int l = 0; l < w; ++l) s[l] += s[l + w];
-  return s[0];
-}
+using namespace sluice;
 
 // Sixteen dot products' lanes summed at once, each in hsum's order (lane l + lane l+8, then +4, +2, +1), by a
 // transposing tree of shuffles: about 3 vector ops per sum instead of 15 scalar adds and a spill. A level takes two
@@ -87,27 +73,6 @@ inline void reduce16(const vec* v, float* out) {
   for (int l = 0; l < LANES; ++l) out[REDUCE_ORDER.item[l]] = lanes[l];
 }
 
-// exp(x) for x <= 0 (a score minus its row's maximum): 2^n * p(r), r = x - n ln2 with |r| <= ln2 / 2, and Cephes'
-// expf polynomial for p; within 2 ulp of expf. Branch-free arithmetic, so a loop over it vectorises.
-inline float exp_nonpositive(float x) {
-  x = std::max(x, -87.0f);  // 2^n stays a normal float
-  const float big = 12582912.0f;  // 1.5 * 2^23: adding and subtracting it rounds to the nearest integer
-  const float n = (x * 1.44269504088896341f + big) - big;
-  float r = x - n * 0.693359375f;
-  r = r + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float two_n;
-  std::memcpy(&two_n, &bits, sizeof two_n);
-  return p * two_n;
-}
-
 // A row of scores becomes exp(score - max) in place; returns 1 / their sum.
 inline float softmax_row(float* row, int64_t n) {
   float m = row[0];
@@ -115,8 +80,8 @@ inline float softmax_row(float* row, int64_t n) {
   float sums[LANES] = {0};
   int64_t t = 0;
   for (; t + LANES <= n; t += LANES)
-    for (int l = 0; l < LANES; ++l) sums[l] += (row[t + l] = exp_nonpositive(row[t + l] - m));
-  for (; t < n; ++t) sums[0] += (row[t] = exp_nonpositive(row[t] - m));
+    for (int l = 0; l < LANES; ++l) sums[l] += (row[t + l] = exp_clamped(row[t + l] - m));
+  for (; t < n; ++t) sums[0] += (row[t] = exp_clamped(row[t] - m));
   for (int w = LANES / 2; w >= 1; w /= 2)
     for (int l = 0; l < w; ++l) sums[l] += sums[l + w];
   return 1.0f / sums[0];
