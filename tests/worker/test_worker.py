@@ -210,12 +210,16 @@ def test_the_worker_rides_out_its_database_connections_being_killed(cluster):
     """A Postgres restart or failover drops every connection: the worker's pool pings nothing before use, so the
     next transaction hits a dead connection; it must retry on a fresh one, not fail the chunk or the worker."""
     worker = cluster.start_worker("--max-num-seqs", "4")
-    batch_id = cluster.submit(long_batch(16, 60))
+    # long enough that chunks are still running at the kill: their lease renewals (every second here) go through
+    # the retrying transaction; a batch already done left only the reconciler to meet the dead connection (it logs
+    # its own message and the pool then reconnects quietly), which is how this test once failed
+    batch_id = cluster.submit(long_batch(16, 600))
     cluster.wait_finished(batch_id, 4)  # the worker's pool holds connections by now
     with cluster.engine.connect() as c:
         killed = c.execute(text("SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
                                 "WHERE datname = current_database() AND pid <> pg_backend_pid()")).scalar()
     assert killed >= 1
+    assert cluster.finished(batch_id) < 16, "the batch finished before the kill: the test checked nothing"
     view = cluster.wait_status(batch_id, ("completed",), timeout=180)
     assert view["request_counts"] == {"total": 16, "completed": 16, "failed": 0}
     exactly_one_result_each(cluster, batch_id)
