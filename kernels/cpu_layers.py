@@ -18,8 +18,10 @@ def available() -> bool:
     return _extension() is not None
 
 
-def takes(x: torch.Tensor) -> bool:
-    return x.device.type == "cpu" and x.dtype == torch.float32 and _extension() is not None
+def takes(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether tensors of this device and dtype go to the kernels: float32 on the CPU, where they could be built
+    (building them on the first call)."""
+    return device.type == "cpu" and dtype == torch.float32 and _extension() is not None
 
 
 def _check_rows(name: str, t: torch.Tensor, rows: int, width: int) -> None:

@@ -118,7 +118,7 @@ def test_the_engine_layers_take_the_kernels_for_float32_on_the_cpu_only(monkeypa
         torch.testing.assert_close(a, b, rtol=2e-6, atol=1e-6)
     assert calls  # the PyTorch forms ran because the kernels were not there
     monkeypatch.undo()
-    assert cpu_layers.takes(x) and not cpu_layers.takes(x.bfloat16())
+    assert cpu_layers.takes(x.device, x.dtype) and not cpu_layers.takes(x.device, torch.bfloat16)
 
 
 def test_a_failed_build_is_logged_and_gives_none(monkeypatch, caplog):

@@ -25,7 +25,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """norm(x); with `residual`, (norm(x + residual), x + residual): a decoder layer adds each sublayer's output
         to the residual stream and normalises the sum (the C++ kernel writes the sum into `residual` in place)."""
-        if cpu_layers.takes(x):
+        if cpu_layers.takes(x.device, x.dtype):
             out = cpu_layers.rms_norm(x, self.weight, self.eps, residual)
             return out if residual is None else (out, residual)
         if residual is None:
@@ -41,7 +41,7 @@ class RMSNorm(nn.Module):
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    if cpu_layers.takes(x):
+    if cpu_layers.takes(x.device, x.dtype):
         return cpu_layers.silu_and_mul(x)
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate).mul_(up)  # in place: one [tokens, intermediate] buffer fewer, same values
@@ -85,7 +85,7 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> Rope:
         """The step's rotation, for every layer: cos and sin looked up once per forward, [tokens, 1, head_dim]
         (the C++ kernel looks them up itself)."""
-        if positions.device.type == "cpu" and dtype == torch.float32 and cpu_layers.available():
+        if cpu_layers.takes(positions.device, dtype):
             return Rope(positions=positions, cos=self.cos, sin=self.sin)
         return Rope(*self.lookup(positions, dtype))
 

@@ -24,8 +24,7 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.kv_int8 = config.kv_cache_dtype == "int8"
         self.backend = self._attention_backend()
-        if self.device.type == "cpu" and self.dtype == torch.float32:
-            cpu_layers.available()  # built now (once per machine), not inside the first step
+        cpu_layers.takes(self.device, self.dtype)  # builds the kernels now (once per machine), not in the first step
         self.model = build_model(model_config, self.backend, max_model_len, self.dtype, self.device)
         if config.load_format == "dummy":
             init_dummy_weights(self.model)
