@@ -24,14 +24,18 @@ def database_url() -> str:
     return os.environ.get("SLUICE_DATABASE_URL") or DEFAULT_URL
 
 
-def make_engine(url: str | None = None, *, pre_ping: bool = True) -> Engine:
+def make_engine(url: str | None = None, *, pre_ping: bool = True, pool_size: int | None = None) -> Engine:
     """`pre_ping=False` for a caller that retries a transaction whose connection turns out dead (the GPU worker's
-    _db): the ping is a round trip on every checkout, two for every chunk of requests."""
+    _db): the ping is a round trip on every checkout, two for every chunk of requests. `pool_size`: PostgreSQL
+    connections kept open (SQLAlchemy's default 5), for a process with more threads in transactions at once: past
+    it, each connection is opened for one use and closed, a new server process every time, whose work (about a
+    third of the queue bench's Postgres CPU) and psycopg's prepared statements are then lost."""
     url = make_url(url or database_url())
     # the drivers' own executemany writes a batch's 50,000 request rows 1.5-2.5x faster than SQLAlchemy's pages of
     # multi-row VALUES, whose long SQL psycopg parses again for every page
     if url.get_backend_name() != "sqlite":
-        return create_engine(url, pool_pre_ping=pre_ping, use_insertmanyvalues=False)
+        sized = {} if pool_size is None else {"pool_size": pool_size}
+        return create_engine(url, pool_pre_ping=pre_ping, use_insertmanyvalues=False, **sized)
     if url.database and url.database != ":memory:":
         Path(url.database).parent.mkdir(parents=True, exist_ok=True)
     engine = create_engine(url, use_insertmanyvalues=False)

@@ -135,17 +135,19 @@ def collect(replies, worker: subprocess.Popen, procs, timeout: float) -> list:
     return got
 
 
-def engine_nice(worker_pid: int) -> int | None:
-    """The nice value of the worker's engine process (its child started by spawn), None if it is not found."""
+def engine_pid(worker_pid: int) -> int | None:
+    """The worker's engine process (its child started by spawn), None if it is not found."""
     for task in Path(f"/proc/{worker_pid}/task").iterdir():
         for child in (task / "children").read_text().split():
             if "spawn_main" in Path(f"/proc/{child}/cmdline").read_text():
-                return os.getpriority(os.PRIO_PROCESS, int(child))
+                return int(child)
     return None
 
 
 def through_the_queue(url: str, model: str, requests: list[dict], producers: int, batch_lines: int,
                       pin_producers: bool, nice: int | None, concurrency: int | None) -> dict:
+    import cpu_use  # beside this file: main() put its folder on the path
+
     env = {**os.environ, "SLUICE_DATABASE_URL": url, "SLUICE_BROKER_URL": BROKER_URL}
     worker = subprocess.Popen([sys.executable, "-m", "worker", "worker", "--model", model, "--served-model-name",
                                "bench", "--loglevel", "WARNING", "--max-num-seqs", str(ENGINE_FLAGS["max_num_seqs"]),
@@ -164,7 +166,8 @@ def through_the_queue(url: str, model: str, requests: list[dict], producers: int
             check_alive(worker, [])
             time.sleep(0.2)
         time.sleep(1.0)
-        ran_at = engine_nice(worker.pid)  # what the worker made of --engine-nice
+        engine_process = engine_pid(worker.pid)
+        ran_at = None if engine_process is None else os.getpriority(os.PRIO_PROCESS, engine_process)
         # --pin-producers: the producers (spawned below, they inherit this process's CPUs) get the worker's CPUs,
         # which a CPU engine's pinning left off the engine's
         if pin_producers and (kept := os.sched_getaffinity(worker.pid)) < everything:
@@ -182,6 +185,7 @@ def through_the_queue(url: str, model: str, requests: list[dict], producers: int
             p.start()
         collect(replies, worker, procs, 300)  # connected and waiting: their start-up is not what is measured
         writes, commands = pg_writes(engine), redis_commands(client)
+        cpu_before = cpu_use.snapshot()
         start = time.perf_counter()
         go.set()
         sent = collect(replies, worker, procs, 600)
@@ -195,18 +199,25 @@ def through_the_queue(url: str, model: str, requests: list[dict], producers: int
             check_alive(worker, [])
             time.sleep(0.05)
         seconds = time.perf_counter() - start
+        cpu = cpu_use.split(cpu_before, cpu_use.snapshot(), {
+            "worker": {worker.pid}, "engine": {engine_process}, "producers": {p.pid for p in procs},
+            "bench": {os.getpid()}})
         leave.set()
         for p in procs:
             p.join()
         with sessions.begin() as s:
             views = [store.batch_view(s, store.get_batch(s, b)) for b in batch_ids]
-        time.sleep(1.5)  # pg_stat counters are flushed by the backends after their transactions
-        written, commands = pg_writes(engine) - writes, redis_commands(client) - commands
-        worker.terminate()  # its last efficiency window is written as it stops
+        commands = redis_commands(client) - commands
+        # its last efficiency window is written as it stops; its database connections then close, and with them
+        # their server processes flush their pg_stat counters (an idle one flushes only after 10 s): rows written
+        # include those few of the stop (its last window and heartbeat)
+        worker.terminate()
         worker.wait(timeout=60)
+        time.sleep(0.5)
+        written = pg_writes(engine) - writes
         return {"seconds": seconds, "submitted": submitted, "engine": worker_steps(sessions), "nice": ran_at,
-                "pg_writes": written, "tokens": sum(v["usage"]["output_tokens"] for v in views), "messages": messages,
-                "redis_commands": commands}
+                "cpu": cpu, "pg_writes": written, "tokens": sum(v["usage"]["output_tokens"] for v in views),
+                "messages": messages, "redis_commands": commands}
     finally:
         pin_threads(everything)
         worker.terminate()
@@ -263,8 +274,8 @@ def main() -> None:
     args = ap.parse_args()
     from worker.bridge import default_engine_threads
 
+    sys.path.insert(0, str(Path(__file__).resolve().parent))  # the bench's own modules
     if args.model == "small":
-        sys.path.insert(0, str(Path(__file__).resolve().parent))
         from common import small_model
 
         args.model = str(small_model())
@@ -297,6 +308,11 @@ def main() -> None:
     print(engine_line("engine alone", alone))
     print(engine_line("the worker's engine", q["engine"]) + f", at nice {q['nice']}")
     print(f"the producers had stored and published everything after {q['submitted']:.1f} s")
+    cores = len(os.sched_getaffinity(0))
+    print(f"CPU-seconds in that run ({q['seconds']:.1f} s on {cores} CPUs, "
+          f"{sum(q['cpu'].values()) / (q['seconds'] * cores):.0%} busy): "
+          + ", ".join(f"{name} {v:.2f}" for name, v in q["cpu"].items())
+          + f"; the worker process {q['cpu']['worker'] / n * 1e6:.0f} us per request")
     print(f"queue-and-database overhead: {1 - alone_s / q['seconds']:.1%} of the engine's throughput "
           "(against its fastest run alone)")
     if args.repeat > 1:  # each round ran its paths back to back: the same spell of this machine's drifting speed

@@ -50,6 +50,7 @@ def worker_command(args: argparse.Namespace) -> int:
     from api import db
     from api.queue import model_queue
     from worker.celery_app import app
+    from worker.engine.config import EngineConfig
     from worker.gpu_worker import GpuWorker, WorkerSettings
 
     if args.engine_threads is not None and args.engine_threads < 1:
@@ -63,13 +64,23 @@ def worker_command(args: argparse.Namespace) -> int:
                               shutdown_grace_seconds=args.shutdown_grace_seconds, metrics_port=args.metrics_port,
                               engine_threads=args.engine_threads, cpu_pinning=args.cpu_pinning,
                               engine_nice=args.engine_nice)
-    worker = GpuWorker(partial(load_engine, args), settings, db.session_factory(db.make_engine(pre_ping=False)), app)
+    concurrency = args.concurrency or default_concurrency(args.max_num_seqs or EngineConfig.max_num_seqs)
+    # a connection for each chunk's thread, the maintenance thread and the consumer's (it marks the worker live)
+    database = db.make_engine(pre_ping=False, pool_size=concurrency + 2)
+    worker = GpuWorker(partial(load_engine, args), settings, db.session_factory(database), app)
     try:
         worker.start()  # builds the engine on its own thread; a bad model is load_engine's UsageError
     except SQLAlchemyError as e:
         raise UsageError(f"cannot reach the database ({db.database_url()}): {e}") from None
-    serve_queues(worker, app, [model_queue(name)], args.loglevel, "gpu", args.concurrency)
+    serve_queues(worker, app, [model_queue(name)], args.loglevel, "gpu", concurrency)
     return 0
+
+
+def default_concurrency(max_num_seqs: int) -> int:
+    """Chunks run at once: enough to fill max_num_seqs twice over."""
+    from api.queue import chunk_size
+
+    return 2 * -(-max_num_seqs // chunk_size())
 
 
 def serve_queues(worker, app, queues: list[str], loglevel: str, prefix: str, concurrency: int | None = None) -> None:
@@ -77,13 +88,12 @@ def serve_queues(worker, app, queues: list[str], loglevel: str, prefix: str, con
     chunks get the grace period, and the GPU worker is closed when Celery exits."""
     from celery.signals import worker_ready, worker_shutting_down
 
-    from api.queue import chunk_size
     from worker import gpu_worker
 
     gpu_worker.install(worker)
     worker_shutting_down.connect(lambda **_: worker.begin_shutdown(), weak=False)
     worker_ready.connect(lambda **_: worker.mark_consuming(), weak=False)  # live only once it takes messages
-    concurrency = concurrency or 2 * -(-worker.processor.config.max_num_seqs // chunk_size())  # fill it twice over
+    concurrency = concurrency or default_concurrency(worker.processor.config.max_num_seqs)
     try:
         app.worker_main(["worker", "-Q", ",".join(queues), "-P", "threads", "-c", str(concurrency),
                          "-n", f"{prefix}-{worker.id}@%h", "--loglevel", loglevel, "--without-gossip",
