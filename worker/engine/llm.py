@@ -96,7 +96,7 @@ class LLMEngine:
         if params.seed is not None:
             seq.generator = torch.Generator(device=self.runner.device).manual_seed(params.seed)
         if params.detokenize:
-            detokenizer.start(self.tokenizer, seq)
+            detokenizer.start(self.tokenizer, seq, self.token_text)
         else:
             seq.text = None
         self.requests[request_id] = seq
