@@ -26,6 +26,9 @@ from api.metrics import make_registry
 from api.settings import Settings
 
 BROKER_CHECK_SECONDS = 2.0
+# FastAPI runs the sync routes on anyio's worker threads, 40 by default: a database connection kept for each, else
+# past SQLAlchemy's default pool (5 kept, 10 more opened per use) concurrent requests wait for one or open their own
+API_THREADS = 40
 ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 500)}
 
 ops = APIRouter(tags=["operations"])
@@ -97,5 +100,5 @@ def serve(host: str, port: int) -> None:
     from api import db
     from api.queue import make_app
 
-    app = create_app(db.session_factory(db.make_engine()), make_app(), Settings.from_env())
+    app = create_app(db.session_factory(db.make_engine(pool_size=API_THREADS)), make_app(), Settings.from_env())
     uvicorn.run(app, host=host, port=port)

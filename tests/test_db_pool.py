@@ -57,3 +57,14 @@ def test_the_worker_runs_enough_chunks_to_fill_max_num_seqs_twice():
 
     assert default_concurrency(256) == 16  # chunks of 32 fill max_num_seqs twice over
     assert default_concurrency(10) == 2
+
+
+def test_the_api_keeps_a_connection_for_each_thread_running_its_routes():
+    import anyio
+
+    from api.server import API_THREADS
+
+    async def threads() -> int:  # what FastAPI's sync routes run on
+        return int(anyio.to_thread.current_default_thread_limiter().total_tokens)
+
+    assert anyio.run(threads) == API_THREADS
