@@ -24,7 +24,7 @@ class TokenText:
 
     def tokens(self, tokenizer, ids: list[int]) -> list[str]:
         """convert_ids_to_tokens(ids, skip_special_tokens=True); where the backend serves to_token, without the
-        wrapper's rebuilding all_special_ids on every call (4 of a replay's 6 us on the demo model)."""
+        wrapper's rebuilding all_special_ids on every call (a replay's start: 1.7 us instead of 4 on the demo model)."""
         if self.to_token == getattr(tokenizer, "convert_ids_to_tokens", None):  # the wrappers: keep them
             return tokenizer.convert_ids_to_tokens(ids, skip_special_tokens=True)
         return [self.to_token(i) for i in ids if i not in self.special_ids]
