@@ -313,6 +313,10 @@ def main() -> None:
           f"{sum(q['cpu'].values()) / (q['seconds'] * cores):.0%} busy): "
           + ", ".join(f"{name} {v:.2f}" for name, v in q["cpu"].items())
           + f"; the worker process {q['cpu']['worker'] / n * 1e6:.0f} us per request")
+    # what the service costs beside its engine, whatever the engine runs on (on a GPU host, these CPUs' load)
+    beside = sum(q["cpu"][k] for k in ("worker", "producers", "Postgres", "Redis")) / n
+    print(f"the service beside its engine (worker process, producers, Postgres, Redis): {beside * 1e6:.0f} us of CPU "
+          f"per request, so one CPU carries about {1 / beside:.0f} requests/s of it")
     print(f"queue-and-database overhead: {1 - alone_s / q['seconds']:.1%} of the engine's throughput "
           "(against its fastest run alone)")
     if args.repeat > 1:  # each round ran its paths back to back: the same spell of this machine's drifting speed
