@@ -23,7 +23,7 @@ def url():
 def backends_seen(engine) -> set[int]:
     """The server processes that THREADS threads used over ROUNDS rounds, each holding a connection at once."""
     pids, lock = set(), threading.Lock()
-    together = threading.Barrier(THREADS)
+    together = threading.Barrier(THREADS, timeout=60)  # a thread that fails breaks it: the others raise, not hang
 
     def work() -> None:
         for _ in range(ROUNDS):
