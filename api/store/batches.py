@@ -16,12 +16,12 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import insert, select
+from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from api.models import Batch, Request, Result
 from api.schemas import BODIES, BatchRequest, BatchValidator, LineError, line_error, parse_line
-from api.store.common import REQUEST_PREFIX, InvalidInput, error_result, new_id
+from api.store.common import REQUEST_PREFIX, InvalidInput, error_result, insert_rows, new_id
 from api.store.files import file_content, get_file, store_file
 from api.store.lifecycle import settle
 from api.store.tenants import get_or_create_tenant
@@ -116,13 +116,12 @@ def create_batch(session: Session, tenant_id: int, input_file_id: str, *, endpoi
     batch.request_total = len(checked)
     batch.request_failed = sum(isinstance(c, LineError) for c in checked)
     session.flush()
-    session.execute(insert(Request), [_request_row(batch.id, c, now) for c in checked])
+    insert_rows(session, Request.__table__, [_request_row(batch.id, c, now) for c in checked])
     ids = session.scalars(select(Request.id).where(Request.batch_id == batch.id).order_by(Request.line)).all()
     errors = [error_result(request_id, INVALID_STATUS_CODE, {"code": c.code, "message": c.message, "param": c.param,
                                                              "custom_id": c.custom_id}, now)
               for request_id, c in zip(ids, checked) if isinstance(c, LineError)]
-    if errors:
-        session.execute(insert(Result), errors)
+    insert_rows(session, Result.__table__, errors)
     queued = [request_id for request_id, c in zip(ids, checked) if isinstance(c, BatchRequest)]
     if not queued:
         settle(session, batch.id, now)
@@ -175,7 +174,7 @@ def create_request(session: Session, tenant_id: int, endpoint: str, body: dict[s
                   expires_at=now + _window_seconds(completion_window))
     session.add(batch)
     session.flush()
-    session.execute(insert(Request), [_request_row(batch.id, checked, now)])
+    insert_rows(session, Request.__table__, [_request_row(batch.id, checked, now)])
     request_ids = list(session.scalars(select(Request.id).where(Request.batch_id == batch.id)))
     return batch, Work(model, DEFAULT_PRIORITY, request_ids)
 

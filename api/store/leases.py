@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import bindparam, select
-from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
 from api.models import Result
@@ -26,6 +25,7 @@ from api.store.common import (
     batch_in,
     by_id,
     held_or_free,
+    insert_rows,
     lease_expired,
     lock_batches_of,
     update_requests,
@@ -48,8 +48,6 @@ RENEW = (update_requests()
 FINISH = (update_requests().where(by_id(IDS, held_or_free(OWNER, NOW), batch_in(*ACCEPTING)))
           .values(status=bindparam("new_status"), lease_owner=None, lease_expires_at=None)
           .returning(REQUESTS.id, REQUESTS.batch_id))
-INSERT_RESULTS = {name: module.insert(Result.__table__).on_conflict_do_nothing()
-                  for name, module in (("postgresql", postgresql), ("sqlite", sqlite))}
 
 
 @dataclass
@@ -164,9 +162,9 @@ def write_results(session: Session, results: list[RequestResult], worker_id: str
                                                  "new_status": status}).all()
     if not finished:
         return []
-    # a Core insert of the table: the ORM's bulk-insert bookkeeping cost more than the statement on the hot path
-    session.execute(INSERT_RESULTS[session.get_bind().dialect.name],
-                    [_result_row(by_id[request_id], worker_id, now) for request_id, _ in finished])
+    # none of them has a result yet: a result is written only by the transaction that moves its request out of
+    # queued or running, and FINISH moved these (under their row locks) in this one
+    insert_rows(session, Result.__table__, [_result_row(by_id[i], worker_id, now) for i, _ in finished])
     completed = Counter(b for i, b in finished if by_id[i].error is None)
     failed = Counter(b for i, b in finished if by_id[i].error is not None)
     for batch_id in sorted(set(completed) | set(failed)):

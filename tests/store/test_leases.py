@@ -125,6 +125,29 @@ def test_concurrent_last_writes_finalize_exactly_once(sessions):
         assert [(e["type"], e["data"]["id"]) for e in events] == [("batch.completed", batch.id)]
 
 
+ODD_TEXT = 'tab\tnewline\ncr\r backslash \\ \\N \\. quote" \u00e9\u4e2d \U0001f600 end'
+
+
+def test_bulk_writes_keep_every_character_and_float(sessions):
+    """Request rows and results are written by COPY on PostgreSQL, whose text format escapes tabs, newlines,
+    backslashes and its NULL marker: what is read back must be what was written, to the last bit of a float."""
+    batch, work = submit(sessions, [chat("a\tb\\N", content=ODD_TEXT), chat("nothing", content="")])
+    (a, b), (first, second) = work.request_ids, claim(sessions, work.request_ids, "w1")
+    assert (first.custom_id, first.body["messages"][0]["content"]) == ("a\tb\\N", ODD_TEXT)
+    assert second.body["messages"][0]["content"] == ""
+    third = 1 / 3
+    write(sessions, [ok(a, text=ODD_TEXT, gpu_seconds=third), failed(b, 2)], "w1")
+    with sessions.begin() as session:
+        result, error = session.get(Result, a), session.get(Result, b)
+        assert result.response["choices"][0]["message"]["content"] == ODD_TEXT
+        assert (result.gpu_seconds, result.error, error.response) == (third, None, None)
+        assert error.error["param"] == "body.messages"
+        assert session.scalars(select(Result.request_id).where(Result.response.is_(None))).all() == [b]  # SQL NULL
+        output = list(store.output_lines(session, batch.id))
+    assert output[0]["custom_id"] == "a\tb\\N"
+    assert output[0]["response"]["body"]["choices"][0]["message"]["content"] == ODD_TEXT
+
+
 def test_results_of_queued_requests_are_accepted(sessions):
     # e.g. a worker that refuses a request before claiming it
     batch, work = submit(sessions, [chat("a")])
