@@ -12,6 +12,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
 from api.models import Batch, Request
+from api.store.ids import IdList, InIds
 
 
 class StoreError(Exception):
@@ -74,7 +75,7 @@ def insert_rows(session: Session, table: Table, rows: list[dict[str, Any]]) -> N
 # A worker's hot path runs the same few statements for every chunk. Built once at import with bound parameters,
 # SQLAlchemy finds their compiled form by identity; built per call, each had its expression tree constructed, its
 # cache key derived and looked up again: most of the store's Python time per request (bench/queue_overhead.py).
-IDS = bindparam("ids", expanding=True)
+IDS = bindparam("ids", type_=IdList())  # one parameter, whatever the chunk size (store/ids.py)
 NOW = bindparam("now")
 OWNER = bindparam("owner")
 # They name the tables' columns, not the ORM's attributes: a statement naming a mapped class goes through the ORM's
@@ -94,7 +95,7 @@ def lock_batches(session: Session, batch_ids: Select | list[str]) -> list[str]:
     return list(rows)
 
 
-LOCK_BATCHES_OF = (select(BATCHES.id).where(BATCHES.id.in_(select(REQUESTS.batch_id).where(REQUESTS.id.in_(IDS))))
+LOCK_BATCHES_OF = (select(BATCHES.id).where(BATCHES.id.in_(select(REQUESTS.batch_id).where(InIds(REQUESTS.id, IDS))))
                    .order_by(BATCHES.id).with_for_update())
 
 
@@ -115,11 +116,13 @@ def by_id(ids, *conditions) -> ColumnElement[bool]:
     With no statistics yet (a batch just inserted), PostgreSQL read the whole batch's status and batch_id index
     entries for every chunk instead (8-15 ms per statement instead of about 1, most of its CPU in
     bench/queue_overhead.py)."""
-    return and_(REQUESTS.id.in_(ids), case((and_(*conditions), True), else_=False))
+    named = InIds(REQUESTS.id, ids) if ids is IDS else REQUESTS.id.in_(ids)
+    return and_(named, case((and_(*conditions), True), else_=False))
 
 
 def batch_in(*statuses: str):
-    return REQUESTS.batch_id.in_(select(BATCHES.id).where(BATCHES.status.in_(statuses)))
+    # one comparison per status rather than in_(), whose list SQLAlchemy renders into the SQL on every execution
+    return REQUESTS.batch_id.in_(select(BATCHES.id).where(or_(*(BATCHES.status == status for status in statuses))))
 
 
 def lease_expired(now: float):

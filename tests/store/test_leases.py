@@ -148,6 +148,27 @@ def test_bulk_writes_keep_every_character_and_float(sessions):
     assert output[0]["response"]["body"]["choices"][0]["message"]["content"] == ODD_TEXT
 
 
+def test_a_chunks_ids_are_one_parameter_whatever_their_number(engine, sessions):
+    """Claims of 0, 1, 3 and 40 ids (with unknown and repeated ones) run one SQL text: the ids are bound as one list,
+    not rendered into the statement per execution."""
+    _, work = submit(sessions, [chat(str(i)) for i in range(45)])
+    ids, texts = work.request_ids, set()
+
+    def seen(connection, cursor, statement, parameters, context, executemany):
+        if statement.startswith("UPDATE requests"):
+            texts.add(statement)
+
+    event.listen(engine, "before_cursor_execute", seen)
+    try:
+        assert claim(sessions, [], "w1") == []
+        assert [r.id for r in claim(sessions, [ids[0]], "w1")] == [ids[0]]
+        assert [r.id for r in claim(sessions, [ids[1], ids[1], 10**9, ids[2]], "w1")] == ids[1:3]
+        assert [r.id for r in claim(sessions, ids[:43], "w1")] == ids[3:43]
+    finally:
+        event.remove(engine, "before_cursor_execute", seen)
+    assert len(texts) == 1
+
+
 def test_results_of_queued_requests_are_accepted(sessions):
     # e.g. a worker that refuses a request before claiming it
     batch, work = submit(sessions, [chat("a")])
