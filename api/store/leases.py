@@ -35,13 +35,19 @@ from api.store.usage import cost
 
 ACCEPTING = ("in_progress", "cancelling")  # batches whose running requests may still finish
 EXPIRES = bindparam("expires")
+
+
+def _of_batch(column):
+    """A column of the request's batch, as a scalar subquery: RETURNING of an UPDATE ... FROM may not name the joined
+    table on SQLite, and a second statement for the batches cost a round trip per chunk."""
+    return select(column).where(BATCHES.id == REQUESTS.batch_id).scalar_subquery()
+
+
 CLAIM = (update_requests()
          .where(by_id(IDS, (REQUESTS.status == "queued") | lease_expired(NOW), batch_in("in_progress")))
          .values(status="running", attempts=REQUESTS.attempts + 1, lease_owner=OWNER, lease_expires_at=EXPIRES)
          .returning(REQUESTS.id, REQUESTS.batch_id, REQUESTS.custom_id, REQUESTS.line, REQUESTS.url, REQUESTS.body,
-                    REQUESTS.attempts, REQUESTS.created_at))
-BATCH_MODELS = (select(BATCHES.id, BATCHES.model, BATCHES.priority)
-                .where(BATCHES.id.in_(bindparam("batch_ids", expanding=True))))
+                    REQUESTS.attempts, REQUESTS.created_at, _of_batch(BATCHES.model), _of_batch(BATCHES.priority)))
 RENEW = (update_requests()
          .where(by_id(IDS, REQUESTS.status == "running", REQUESTS.lease_owner == OWNER, batch_in("in_progress")))
          .values(lease_expires_at=EXPIRES).returning(REQUESTS.id))
@@ -96,9 +102,9 @@ def claim(session: Session, request_ids: list[int], worker_id: str, lease_second
     now = time.time()
     rows = session.execute(CLAIM, {"ids": list(request_ids), "now": now, "owner": worker_id,
                                    "expires": now + lease_seconds}).all()
-    batches = {b.id: b for b in session.execute(BATCH_MODELS, {"batch_ids": list({r.batch_id for r in rows})})}
-    return sorted((Claimed(r.id, r.batch_id, r.custom_id, r.line, r.url, r.body, batches[r.batch_id].model,
-                           batches[r.batch_id].priority, r.attempts, r.created_at) for r in rows), key=lambda c: c.id)
+    return sorted((Claimed(i, batch_id, custom_id, line, url, body, model, priority, attempts, created_at)
+                   for i, batch_id, custom_id, line, url, body, attempts, created_at, model, priority in rows),
+                  key=lambda c: c.id)
 
 
 def renew_leases(session: Session, request_ids: list[int], worker_id: str, lease_seconds: float) -> list[int]:
