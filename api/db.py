@@ -31,8 +31,9 @@ def make_engine(url: str | None = None, *, pre_ping: bool = True, pool_size: int
     it, each connection is opened for one use and closed, a new server process every time (0.2-0.3 CPU-s of a
     queue bench run), and psycopg's prepared statements are lost with it."""
     url = make_url(url or database_url())
-    # the drivers' own executemany writes a batch's 50,000 request rows 1.5-2.5x faster than SQLAlchemy's pages of
-    # multi-row VALUES, whose long SQL psycopg parses again for every page
+    # the drivers' own executemany wrote a batch's 50,000 request rows 1.5-2.5x faster than SQLAlchemy's pages of
+    # multi-row VALUES, whose long SQL psycopg parses again for every page (bulk rows now go by COPY on PostgreSQL,
+    # store.insert_rows; the other multi-row inserts, and SQLite's, still take this path)
     if url.get_backend_name() != "sqlite":
         sized = {} if pool_size is None else {"pool_size": pool_size}
         return create_engine(url, pool_pre_ping=pre_ping, use_insertmanyvalues=False, **sized)

@@ -56,7 +56,7 @@ def insert(session: Session, model):
 
 def insert_rows(session: Session, table: Table, rows: list[dict[str, Any]]) -> None:
     """Insert new rows, each with the same keys. On PostgreSQL by COPY: a batch's request rows and a chunk's results
-    are the store's bulk writes, and an INSERT executed per row cost psycopg and the server each about twice as much
+    are the store's bulk writes, and an INSERT executed per row cost psycopg and the server each up to twice as much
     CPU per row (bench/NOTES.md). COPY has no ON CONFLICT: callers insert only rows that cannot exist yet."""
     if not rows:
         return
