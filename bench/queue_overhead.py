@@ -33,6 +33,7 @@ from worker.cpus import pin_threads
 ADMIN_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
 BROKER_URL = "redis://127.0.0.1:6379/15"
 WARM_UP_LINES = 8
+WINDOW_SECONDS = 0.5  # the worker's efficiency windows: the run's timeline at this resolution
 ENGINE_FLAGS = {"max_num_seqs": 256, "max_num_batched_tokens": 4096}
 
 
@@ -64,13 +65,17 @@ def engine_alone(model: str, requests: list[dict], threads: int) -> tuple[float,
     return seconds, tokens, {"steps": steps, "mean_running": running / steps, "busy": llm.busy_seconds}
 
 
-def worker_steps(sessions) -> dict:
-    """What the worker's engine did, from the efficiency windows it recorded."""
+def worker_steps(sessions, start: float, end: float) -> dict:
+    """What the worker's engine did, from the efficiency windows it recorded; `timeline` holds, for each window
+    of the measured span [start, end] (wall-clock times), its offset from start, its busy fraction and its mean
+    running sequences."""
     with sessions.begin() as s:
-        rows = s.query(models.EfficiencyWindow).all()
+        rows = s.query(models.EfficiencyWindow).order_by(models.EfficiencyWindow.window_start).all()
     steps = sum(w.steps for w in rows)
+    timeline = [(w.window_start - start, w.busy_seconds / (w.window_end - w.window_start), w.mean_running_seqs)
+                for w in rows if w.window_end > start and w.window_start < end and w.window_end > w.window_start]
     return {"steps": steps, "mean_running": sum(w.mean_running_seqs * w.steps for w in rows) / max(steps, 1),
-            "busy": sum(w.busy_seconds for w in rows)}
+            "busy": sum(w.busy_seconds for w in rows), "timeline": timeline}
 
 
 def pg_writes(engine) -> int:
@@ -152,6 +157,7 @@ def through_the_queue(url: str, model: str, requests: list[dict], producers: int
     worker = subprocess.Popen([sys.executable, "-m", "worker", "worker", "--model", model, "--served-model-name",
                                "bench", "--loglevel", "WARNING", "--max-num-seqs", str(ENGINE_FLAGS["max_num_seqs"]),
                                "--max-num-batched-tokens", str(ENGINE_FLAGS["max_num_batched_tokens"]),
+                               "--window-seconds", str(WINDOW_SECONDS),
                                *(["--engine-nice", str(nice)] if nice is not None else []),
                                *(["--concurrency", str(concurrency)] if concurrency else [])], env=env)
     engine = db.make_engine(url)
@@ -186,7 +192,7 @@ def through_the_queue(url: str, model: str, requests: list[dict], producers: int
         collect(replies, worker, procs, 300)  # connected and waiting: their start-up is not what is measured
         writes, commands = pg_writes(engine), redis_commands(client)
         cpu_before = cpu_use.snapshot()
-        start = time.perf_counter()
+        start, wall_start = time.perf_counter(), time.time()
         go.set()
         sent = collect(replies, worker, procs, 600)
         batch_ids, messages = [b for ids, _ in sent for b in ids], sum(n for _, n in sent)
@@ -215,7 +221,8 @@ def through_the_queue(url: str, model: str, requests: list[dict], producers: int
         worker.wait(timeout=60)
         time.sleep(0.5)
         written = pg_writes(engine) - writes
-        return {"seconds": seconds, "submitted": submitted, "engine": worker_steps(sessions), "nice": ran_at,
+        steps = worker_steps(sessions, wall_start, wall_start + seconds)
+        return {"seconds": seconds, "submitted": submitted, "engine": steps, "nice": ran_at,
                 "cpu": cpu, "pg_writes": written, "tokens": sum(v["usage"]["output_tokens"] for v in views),
                 "messages": messages, "redis_commands": commands}
     finally:
@@ -308,6 +315,9 @@ def main() -> None:
     print(engine_line("engine alone", alone))
     print(engine_line("the worker's engine", q["engine"]) + f", at nice {q['nice']}")
     print(f"the producers had stored and published everything after {q['submitted']:.1f} s")
+    print(f"the worker's engine by {WINDOW_SECONDS} s window from the producers' start (busy %, mean running "
+          "sequences): " + ", ".join(f"{max(at, 0):.1f} s {busy:.0%} {running:.0f}"
+                                     for at, busy, running in q["engine"]["timeline"]))
     cores = len(os.sched_getaffinity(0))
     print(f"CPU-seconds in that run ({q['seconds']:.1f} s on {cores} CPUs, "
           f"{sum(q['cpu'].values()) / (q['seconds'] * cores):.0%} busy): "

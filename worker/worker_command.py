@@ -29,6 +29,9 @@ def add_worker_parser(commands) -> None:
                      help="re-send queued requests published this long ago when their queue is empty (lost messages)")
     ops.add_argument("--shutdown-grace-seconds", type=float, default=30.0, metavar="S",
                      help="on SIGTERM, how long running chunks may take before their requests are given back")
+    ops.add_argument("--window-seconds", type=float, default=10.0, metavar="S",
+                     help="length of the engine efficiency windows this worker records (steps, occupancy, busy and "
+                          "idle seconds); shorter ones show a short run's ramp and any gaps in feeding the engine")
     ops.add_argument("--metrics-port", type=int, metavar="PORT",
                      help="serve the engine's live Prometheus metrics on this port (sluice:engine_*)")
     ops.add_argument("--engine-threads", type=int, metavar="N",
@@ -55,13 +58,16 @@ def worker_command(args: argparse.Namespace) -> int:
 
     if args.engine_threads is not None and args.engine_threads < 1:
         raise UsageError(f"--engine-threads must be at least 1, got {args.engine_threads}")
+    if args.window_seconds <= 0:
+        raise UsageError(f"--window-seconds must be positive, got {args.window_seconds}")
     if args.engine_nice is not None and not -20 <= args.engine_nice <= 19:
         raise UsageError(f"--engine-nice must be from -20 to 19, got {args.engine_nice}")
     logging.basicConfig(level=args.loglevel.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     name = served_model_name(args)
     settings = WorkerSettings(name, args.model, lease_seconds=args.lease_seconds,
                               reconcile_seconds=args.reconcile_seconds, stale_seconds=args.stale_seconds,
-                              shutdown_grace_seconds=args.shutdown_grace_seconds, metrics_port=args.metrics_port,
+                              shutdown_grace_seconds=args.shutdown_grace_seconds, window_seconds=args.window_seconds,
+                              metrics_port=args.metrics_port,
                               engine_threads=args.engine_threads, cpu_pinning=args.cpu_pinning,
                               engine_nice=args.engine_nice)
     concurrency = args.concurrency or default_concurrency(args.max_num_seqs or EngineConfig.max_num_seqs)

@@ -84,6 +84,7 @@ def test_submit_takes_the_model_from_the_lines_and_fails_an_empty_file(tmp_path,
     (["results", "batch_nope", "-o", "{tmp}/no/such/dir/out.jsonl"], "not found"),
     (["worker", "--model", "demo", "--engine-threads", "0"], "--engine-threads must be at least 1"),
     (["worker", "--model", "demo", "--engine-nice", "-21"], "--engine-nice must be from -20 to 19, got -21"),
+    (["worker", "--model", "demo", "--window-seconds", "0"], "--window-seconds must be positive, got 0.0"),
 ])
 def test_mistakes_exit_2_with_a_message(tmp_path, cli_env, capsys, argv, message):
     source = tmp_path / "in.jsonl"

@@ -47,7 +47,7 @@ def test_results_equal_the_engines_greedy_output(cluster, llama_dir):
     completions.append(completion(99, 8) | {"custom_id": "too-long", "body": {"prompt": "x " * 3000,
                                                                                "max_tokens": 8}})
     metrics_port = free_port()
-    cluster.start_worker("--metrics-port", str(metrics_port))
+    cluster.start_worker("--metrics-port", str(metrics_port), "--window-seconds", "0.5")
     chat_batch, completion_batch = cluster.submit(chats), cluster.submit(completions)
     views = [cluster.wait_status(b, ("completed",)) for b in (chat_batch, completion_batch)]
     assert [v["request_counts"] for v in views] == [{"total": 13, "completed": 12, "failed": 1}] * 2
@@ -89,8 +89,12 @@ def test_results_equal_the_engines_greedy_output(cluster, llama_dir):
     cluster.workers[0].send_signal(signal.SIGTERM)  # a clean stop writes the last efficiency window
     assert cluster.workers[0].wait(timeout=60) == 0
     with cluster.sessions.begin() as s:
-        windows = s.scalars(select(EfficiencyWindow)).all()
+        windows = s.scalars(select(EfficiencyWindow).order_by(EfficiencyWindow.window_start)).all()
         assert sum(w.decode_tokens for w in windows) > 0
+        # --window-seconds 0.5: each window closes at the first engine-loop pass after 0.5 s (the last one, at the
+        # stop, earlier), and each starts where the one before ended
+        assert len(windows) > 4 and all(0.5 <= w.window_end - w.window_start < 1.5 for w in windows[:-1])
+        assert all(a.window_end == pytest.approx(b.window_start) for a, b in zip(windows, windows[1:]))
         assert all(0 <= w.mean_running_seqs <= w.max_num_seqs and 0 <= w.kv_cache_use <= 1 for w in windows)
         assert store.live_workers(s) == []
 
