@@ -67,9 +67,8 @@ def worker_command(args: argparse.Namespace) -> int:
     settings = WorkerSettings(name, args.model, lease_seconds=args.lease_seconds,
                               reconcile_seconds=args.reconcile_seconds, stale_seconds=args.stale_seconds,
                               shutdown_grace_seconds=args.shutdown_grace_seconds, window_seconds=args.window_seconds,
-                              metrics_port=args.metrics_port,
-                              engine_threads=args.engine_threads, cpu_pinning=args.cpu_pinning,
-                              engine_nice=args.engine_nice)
+                              metrics_port=args.metrics_port, engine_threads=args.engine_threads,
+                              cpu_pinning=args.cpu_pinning, engine_nice=args.engine_nice)
     concurrency = args.concurrency or default_concurrency(args.max_num_seqs or EngineConfig.max_num_seqs)
     # a connection for each chunk's thread, the maintenance thread and the consumer's (it marks the worker live)
     database = db.make_engine(pre_ping=False, pool_size=concurrency + 2)
