@@ -25,7 +25,7 @@ from sqlalchemy import create_engine, func, select, text
 
 from api import db, models, store
 from api.queue import make_app, publish_chunks
-from worker.cpus import pin_threads
+from worker.cpus import pin_threads, split_cpus
 
 # torch and the engine are imported only where used: the spawned producers re-import this module, and a client has
 # no torch (its objects in every producer's heap made each garbage collection walk them: +0.1 s per 1250-line batch)
@@ -33,6 +33,9 @@ from worker.cpus import pin_threads
 ADMIN_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
 BROKER_URL = "redis://127.0.0.1:6379/15"
 WARM_UP_LINES = 8
+# A process on the worker's CPUs building Python objects, as the worker does: on 2 vCPUs that share a physical core
+# or its memory system, the engine's steps run slower beside it however little else the service does
+NEIGHBOUR = "while True:\n    {i: str(i) for i in range(1000)}"
 WINDOW_SECONDS = 0.5  # the worker's efficiency windows: the run's timeline at this resolution
 ENGINE_FLAGS = {"max_num_seqs": 256, "max_num_batched_tokens": 4096}
 
@@ -63,6 +66,28 @@ def engine_alone(model: str, requests: list[dict], threads: int) -> tuple[float,
             running += llm.last_step.num_seqs
     seconds, steps = time.perf_counter() - start, llm.stats()["num_steps"]
     return seconds, tokens, {"steps": steps, "mean_running": running / steps, "busy": llm.busy_seconds}
+
+
+def engine_beside_python(model: str, requests: list[dict], threads: int) -> tuple[float, int, dict] | None:
+    """The engine alone at the worker's engine's thread count, pinned where the worker pins its engine, with NEIGHBOUR
+    busy on each CPU the worker keeps: how fast the service's engine could step if the service's own work cost no
+    more than keeping those CPUs busy. None where there is no CPU to split."""
+    split = split_cpus(threads)
+    if split is None:
+        return None
+    others, engine_cpus = split
+    everything = os.sched_getaffinity(0)
+    neighbours = [subprocess.Popen([sys.executable, "-c", f"import os\nos.sched_setaffinity(0, [{cpu}])\n" + NEIGHBOUR])
+                  for cpu in sorted(others)]
+    try:
+        pin_threads(engine_cpus)
+        time.sleep(0.5)  # the neighbours are running
+        return engine_alone(model, requests, threads)
+    finally:
+        pin_threads(everything)
+        for neighbour in neighbours:
+            neighbour.kill()
+            neighbour.wait()
 
 
 def worker_steps(sessions, start: float, end: float) -> dict:
@@ -291,10 +316,11 @@ def main() -> None:
     # The baseline is the engine at its best: with every CPU, and with the worker's engine's thread count (on a
     # small CPU model fewer threads can be as fast, OpenMP's fork-join costing what the extra core brings).
     counts = sorted({len(os.sched_getaffinity(0)), default_engine_threads()}, reverse=True)
-    alones, services = {t: [] for t in counts}, []
+    alones, services, besides = {t: [] for t in counts}, [], []
     for _ in range(args.repeat):
         for t in counts:
             alones[t].append(engine_alone(args.model, requests, t))
+        besides.append(engine_beside_python(args.model, requests, default_engine_threads()))
         services.append(service(args.model, requests, args.producers, args.batch_lines, args.pin_producers,
                                 args.engine_nice, args.concurrency))
     best = {t: min(runs, key=lambda a: a[0]) for t, runs in alones.items()}
@@ -305,12 +331,16 @@ def main() -> None:
     print(f"{n} chat requests, {args.max_tokens} output tokens each, model {args.model}, {args.producers} producers "
           f"({where}) submitting batches of {args.batch_lines} lines, "
           f"one worker (max_num_seqs {ENGINE_FLAGS['max_num_seqs']}); fastest of {args.repeat} runs each")
-    print(f"{'path':34s} {'seconds':>8s} {'req/s':>8s} {'tok/s':>9s}  all runs (s)")
+    print(f"{'path':42s} {'seconds':>8s} {'req/s':>8s} {'tok/s':>9s}  all runs (s)")
     for t in counts:
         a_s, a_tokens, _ = best[t]
-        print(f"{f'engine alone, {t} thread(s)':34s} {a_s:8.1f} {n / a_s:8.1f} {a_tokens / a_s:9.0f}  "
+        print(f"{f'engine alone, {t} thread(s)':42s} {a_s:8.1f} {n / a_s:8.1f} {a_tokens / a_s:9.0f}  "
               + " ".join(f"{a[0]:.1f}" for a in alones[t]))
-    print(f"{'producers -> Redis -> worker -> PG':34s} {q['seconds']:8.1f} {n / q['seconds']:8.1f} "
+    if besides[0] is not None:
+        b_s, b_tokens, _ = min(besides)
+        print(f"{f'engine alone, {default_engine_threads()} thread(s), beside Python':42s} {b_s:8.1f} {n / b_s:8.1f} "
+              f"{b_tokens / b_s:9.0f}  " + " ".join(f"{b[0]:.1f}" for b in besides))
+    print(f"{'producers -> Redis -> worker -> PG':42s} {q['seconds']:8.1f} {n / q['seconds']:8.1f} "
           f"{q['tokens'] / q['seconds']:9.0f}  " + " ".join(f"{r['seconds']:.1f}" for r in services))
     print(engine_line("engine alone", alone))
     print(engine_line("the worker's engine", q["engine"]) + f", at nice {q['nice']}")
@@ -329,6 +359,11 @@ def main() -> None:
           f"per request, so one CPU carries about {1 / beside:.0f} requests/s of it")
     print(f"queue-and-database overhead: {1 - alone_s / q['seconds']:.1%} of the engine's throughput "
           "(against its fastest run alone)")
+    if besides[0] is not None:  # stepping only: the engine alone tokenizes on its own CPU, the service on the other
+        beside, idle = min(besides)[2]["busy"], best[default_engine_threads()][2]["busy"]
+        print(f"the engine alone on the worker's engine CPUs stepped {beside:.1f} s with Python busy on the other "
+              f"CPUs, against {idle:.1f} s with them idle ({beside / idle - 1:+.0%}): what the neighbours' work costs "
+              "the engine on this machine, however little the service itself spent")
     if args.repeat > 1:  # each round ran its paths back to back: the same spell of this machine's drifting speed
         rounds = [1 - min(alones[t][i][0] for t in counts) / r["seconds"] for i, r in enumerate(services)]
         print("overhead round by round (the service against the fastest engine alone of the same round): "
