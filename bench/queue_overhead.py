@@ -2,7 +2,9 @@
 one `sluice worker`, against the same requests through the engine alone, in one run.
 
 Prints requests/s and output tokens/s of both, the overhead, and the Postgres rows and Redis messages (and
-commands) per request. Needs the local PostgreSQL and Redis (creates and drops its own database, uses Redis db 15).
+commands) per request. Where the worker would pin a CPU engine, it also runs the engine alone so pinned with a Python
+process busy on each other CPU, and prints how its stepping compares with those CPUs idle. Needs the local
+PostgreSQL and Redis (creates and drops its own database, uses Redis db 15).
 Run: python bench/queue_overhead.py [--requests 10000] [--producers 8] [--batch-lines N]
      [--model demo|small|DIR] [--repeat 2] [--pin-producers] [--engine-nice N] [--concurrency N]
 """
