@@ -6,7 +6,7 @@ commands) per request. Where the worker would pin a CPU engine, it also runs the
 process busy on each other CPU, and prints how its stepping compares with those CPUs idle. Needs the local
 PostgreSQL and Redis (creates and drops its own database, uses Redis db 15).
 Run: python bench/queue_overhead.py [--requests 10000] [--producers 8] [--batch-lines N]
-     [--model demo|small|DIR] [--repeat 2] [--pin-producers] [--engine-nice N] [--concurrency N]
+     [--model demo|small|DIR] [--repeat 2] [--pin-producers] [--engine-nice N] [--concurrency N] [--chunk-size N]
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import redis
 from sqlalchemy import create_engine, func, select, text
 
 from api import db, models, store
-from api.queue import make_app, publish_chunks
+from api.queue import chunk_size, make_app, publish_chunks
 from worker.cpus import pin_threads, split_cpus
 
 # torch and the engine are imported only where used: the spawned producers re-import this module, and a client has
@@ -302,10 +302,15 @@ def main() -> None:
                     help="the worker's --engine-nice (default: the worker's own default, -10 for its pinned CPU engine "
                          "where permitted; 0 gives the engine no priority over the other processes on its CPU)")
     ap.add_argument("--concurrency", type=int, metavar="N", help="the worker's --concurrency (chunks run at once)")
+    ap.add_argument("--chunk-size", type=int, metavar="N",
+                    help="SLUICE_CHUNK_SIZE for the producers and the worker: requests per message (default 32, or "
+                         "what the environment says); each chunk costs a fixed two transactions and a message")
     ap.add_argument("--model", default="demo", help="a checkpoint dir, 'demo', or 'small' (hidden 256, 4 layers)")
     ap.add_argument("--repeat", type=int, default=2,
                     help="runs of each path, interleaved; the fastest of each counts (this machine's speed drifts)")
     args = ap.parse_args()
+    if args.chunk_size is not None:  # the worker and the spawned producers inherit it
+        os.environ["SLUICE_CHUNK_SIZE"] = str(args.chunk_size)
     from worker.bridge import default_engine_threads
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))  # the bench's own modules
@@ -332,7 +337,8 @@ def main() -> None:
     where = "on the worker's CPUs" if args.pin_producers else "on any CPU"
     print(f"{n} chat requests, {args.max_tokens} output tokens each, model {args.model}, {args.producers} producers "
           f"({where}) submitting batches of {args.batch_lines} lines, "
-          f"one worker (max_num_seqs {ENGINE_FLAGS['max_num_seqs']}); fastest of {args.repeat} runs each")
+          f"chunks of {chunk_size()} requests, one worker (max_num_seqs {ENGINE_FLAGS['max_num_seqs']}); "
+          f"fastest of {args.repeat} runs each")
     print(f"{'path':42s} {'seconds':>8s} {'req/s':>8s} {'tok/s':>9s}  all runs (s)")
     for t in counts:
         a_s, a_tokens, _ = best[t]
