@@ -322,12 +322,13 @@ def main() -> None:
     args.batch_lines = args.batch_lines or -(-args.requests // args.producers)
     # The baseline is the engine at its best: with every CPU, and with the worker's engine's thread count (on a
     # small CPU model fewer threads can be as fast, OpenMP's fork-join costing what the extra core brings).
-    counts = sorted({len(os.sched_getaffinity(0)), default_engine_threads()}, reverse=True)
+    engine_threads = default_engine_threads()
+    counts = sorted({len(os.sched_getaffinity(0)), engine_threads}, reverse=True)
     alones, services, besides = {t: [] for t in counts}, [], []
     for _ in range(args.repeat):
         for t in counts:
             alones[t].append(engine_alone(args.model, requests, t))
-        besides.append(engine_beside_python(args.model, requests, default_engine_threads()))
+        besides.append(engine_beside_python(args.model, requests, engine_threads))
         services.append(service(args.model, requests, args.producers, args.batch_lines, args.pin_producers,
                                 args.engine_nice, args.concurrency))
     best = {t: min(runs, key=lambda a: a[0]) for t, runs in alones.items()}
@@ -344,9 +345,10 @@ def main() -> None:
         a_s, a_tokens, _ = best[t]
         print(f"{f'engine alone, {t} thread(s)':42s} {a_s:8.1f} {n / a_s:8.1f} {a_tokens / a_s:9.0f}  "
               + " ".join(f"{a[0]:.1f}" for a in alones[t]))
-    if besides[0] is not None:
-        b_s, b_tokens, _ = min(besides)
-        print(f"{f'engine alone, {default_engine_threads()} thread(s), beside Python':42s} {b_s:8.1f} {n / b_s:8.1f} "
+    beside_best = None if besides[0] is None else min(besides, key=lambda b: b[0])
+    if beside_best is not None:
+        b_s, b_tokens, _ = beside_best
+        print(f"{f'engine alone, {engine_threads} thread(s), beside Python':42s} {b_s:8.1f} {n / b_s:8.1f} "
               f"{b_tokens / b_s:9.0f}  " + " ".join(f"{b[0]:.1f}" for b in besides))
     print(f"{'producers -> Redis -> worker -> PG':42s} {q['seconds']:8.1f} {n / q['seconds']:8.1f} "
           f"{q['tokens'] / q['seconds']:9.0f}  " + " ".join(f"{r['seconds']:.1f}" for r in services))
@@ -367,8 +369,8 @@ def main() -> None:
           f"per request, so one CPU carries about {1 / beside:.0f} requests/s of it")
     print(f"queue-and-database overhead: {1 - alone_s / q['seconds']:.1%} of the engine's throughput "
           "(against its fastest run alone)")
-    if besides[0] is not None:  # stepping only: the engine alone tokenizes on its own CPU, the service on the other
-        beside, idle = min(besides)[2]["busy"], best[default_engine_threads()][2]["busy"]
+    if beside_best is not None:  # stepping only: the engine alone tokenizes on its own CPU, the service on the other
+        beside, idle = beside_best[2]["busy"], best[engine_threads][2]["busy"]
         print(f"the engine alone on the worker's engine CPUs stepped {beside:.1f} s with Python busy on the other "
               f"CPUs, against {idle:.1f} s with them idle ({beside / idle - 1:+.0%}): what the neighbours' work costs "
               "the engine on this machine, however little the service itself spent")
