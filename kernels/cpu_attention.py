@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from kernels.checks import check_decode_inputs
 from kernels.cpu_build import build
-from kernels.decode_attention import check_decode_inputs
 
 HEAD_DIMS = (16, 32, 64, 96, 128, 256)
 

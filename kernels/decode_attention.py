@@ -3,7 +3,8 @@
 import torch
 
 from kernels._triton import cdiv, dot_precision, next_pow2, tl, triton
-from kernels.paged import LOG2E, check_kv_cache, gather_context, paged_scores, softmax_step
+from kernels.checks import check_decode_inputs
+from kernels.paged import LOG2E, gather_context, paged_scores, softmax_step
 
 BLOCK_N = 64  # context tokens per inner step; independent of the cache's block_size
 PARTITION_TOKENS = 512  # context one program handles before the work is split across programs
@@ -80,17 +81,6 @@ def _decode_reduce_kernel(
     out = tl.sum(w[:, None] * o, axis=0) / tl.sum(w, axis=0)
     tl.store(out_ptr + seq * stride_os + head * stride_oh + d * stride_od, out.to(out_ptr.dtype.element_ty),
              mask=d < HEAD_DIM)
-
-
-def check_decode_inputs(q, k_cache, v_cache, block_tables, context_lens, k_scale, v_scale) -> bool:
-    """Validates shapes (for the Triton kernel, its reference and the CPU kernel); returns whether the cache is INT8."""
-    num_seqs, num_heads, head_dim = q.shape
-    quantized = check_kv_cache("decode attention", k_cache, v_cache, None, head_dim, k_scale, v_scale)
-    if num_heads % k_cache.shape[2]:
-        raise ValueError(f"decode attention: num_heads={num_heads} must be a multiple of kv_heads={k_cache.shape[2]}")
-    if block_tables.shape[0] != num_seqs or context_lens.shape != (num_seqs,):
-        raise ValueError(f"decode attention: block_tables and context_lens must have {num_seqs} rows")
-    return quantized
 
 
 def num_splits_for(max_context_len: int) -> int:

@@ -3,7 +3,7 @@
 import torch
 
 from kernels._triton import next_pow2, tl, triton
-from kernels.paged import check_kv_cache
+from kernels.checks import check_kv_cache
 from kernels.quant import quantize_kv_int8
 
 

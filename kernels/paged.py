@@ -1,29 +1,12 @@
-"""What the store and attention kernels share about the paged KV cache: layout checks, the exp2 softmax base, and
-the attention kernels' inner step (a tile of keys read through the block table, then an online-softmax update)."""
+"""What the store and attention kernels share about the paged KV cache: the exp2 softmax base, the reference's
+context gather, and the attention kernels' inner step (a tile of keys read through the block table, then an
+online-softmax update). The layout checks are in kernels/checks.py."""
 
 import torch
 
 from kernels._triton import tl, triton
 
 LOG2E = 1.4426950408889634  # the attention kernels use exp2, so scores are scaled by log2(e) once
-
-
-def check_kv_cache(op: str, k_cache, v_cache, num_kv_heads: int | None, head_dim: int, k_scale, v_scale) -> bool:
-    """Validates the cache pair (and its scales when it is int8); returns whether it is int8."""
-    want = f"[blocks, block_size, {num_kv_heads or 'kv_heads'}, {head_dim}]"
-    shape_ok = k_cache.dim() == 4 and k_cache.shape[3] == head_dim and k_cache.shape == v_cache.shape
-    if not shape_ok or (num_kv_heads is not None and k_cache.shape[2] != num_kv_heads):
-        raise ValueError(f"{op}: k_cache and v_cache {tuple(k_cache.shape)} must both be {want}")
-    if k_cache.stride() != v_cache.stride():  # the kernels address both with one set of strides
-        raise ValueError(f"{op}: k_cache and v_cache must share one memory layout")
-    if k_cache.dtype != torch.int8:
-        return False
-    for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
-        if scale is None or scale.shape != k_cache.shape[:3] or scale.dtype != torch.float32:
-            raise ValueError(f"{op}: an int8 cache needs {name} float32 {tuple(k_cache.shape[:3])}")
-    if k_scale.stride() != v_scale.stride():
-        raise ValueError(f"{op}: k_scale and v_scale must share one memory layout")
-    return True
 
 
 def gather_context(k_cache, v_cache, block_tables, seq: int, length: int, k_scale, v_scale, num_heads: int):

@@ -3,7 +3,8 @@
 import torch
 
 from kernels._triton import dot_precision, next_pow2, tl, triton
-from kernels.paged import LOG2E, check_kv_cache, gather_context, paged_scores, softmax_step
+from kernels.checks import check_kv_cache
+from kernels.paged import LOG2E, gather_context, paged_scores, softmax_step
 
 BLOCK_M = 64  # query tokens per program
 BLOCK_N = 64  # keys per inner step

@@ -17,3 +17,14 @@ def test_no_torch(modules):
     code = f"import sys, {modules}; from worker.cli import build_parser; build_parser(); " \
            "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('torch'))[:3]"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_a_cpu_engine_never_imports_triton(llama_dir):
+    """Triton is for the CUDA kernels: a CPU engine (a CPU host's worker engine process, `sluice run`) loads, steps and
+    finishes requests without importing it, which took 0.12-0.17 s of every engine start (kernels/checks.py)."""
+    code = ("import sys; from worker.engine import LLM, SamplingParams; "
+            f"llm = LLM({str(llama_dir)!r}, max_num_seqs=4); "
+            "out = llm.generate(['hello there', 'bye'], SamplingParams(max_tokens=4)); "
+            "assert [len(o.token_ids) for o in out] == [4, 4], out; "
+            "assert 'triton' not in sys.modules, sorted(m for m in sys.modules if m.startswith('triton'))[:3]")
+    subprocess.run([sys.executable, "-c", code], check=True)
