@@ -372,8 +372,8 @@ def main() -> None:
     if beside_best is not None:  # stepping only: the engine alone tokenizes on its own CPU, the service on the other
         beside, idle = beside_best[2]["busy"], best[engine_threads][2]["busy"]
         print(f"the engine alone on the worker's engine CPUs stepped {beside:.1f} s with Python busy on the other "
-              f"CPUs, against {idle:.1f} s with them idle ({beside / idle - 1:+.0%}): what the neighbours' work costs "
-              "the engine on this machine, however little the service itself spent")
+              f"CPUs, against {idle:.1f} s unpinned with them idle ({beside / idle - 1:+.0%}): what the neighbours' "
+              "work costs the engine on this machine, however little the service itself spent")
     if args.repeat > 1:  # each round ran its paths back to back: the same spell of this machine's drifting speed
         rounds = [1 - min(alones[t][i][0] for t in counts) / r["seconds"] for i, r in enumerate(services)]
         print("overhead round by round (the service against the fastest engine alone of the same round): "
