@@ -62,3 +62,14 @@ def checkpoints(tmp_path_factory, tokenizer_dir):
 @pytest.fixture(scope="session")
 def llama_dir(checkpoints):
     return checkpoints("llama")
+
+
+@pytest.fixture
+def scripted_tokens(monkeypatch):
+    """script(tokens): the engine 'samples' these tokens in order, so a test picks exactly the text generated."""
+    def script(tokens: list[int]) -> None:
+        queue = iter(tokens)
+        monkeypatch.setattr("worker.engine.llm.sample",
+                            lambda logits, seqs: ([next(queue) for _ in seqs], [None] * len(seqs)))
+
+    return script

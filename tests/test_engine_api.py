@@ -117,6 +117,15 @@ def test_chat_applies_the_template(llm):
     assert out.token_ids == llm.generate(out.prompt_token_ids, params)[0].token_ids
 
 
+def test_text_drops_special_tokens_as_transformers_decode_does(llm, scripted_tokens):
+    tokens = llm.tokenizer.encode("hi<|user|>\nhello<|assistant|> there<|system|>.", add_special_tokens=False)
+    scripted_tokens(tokens)
+    params = SamplingParams(max_tokens=len(tokens), ignore_eos=True)
+    out = llm.chat([{"role": "user", "content": "hello there"}], params)[0]
+    assert out.token_ids == tokens
+    assert out.text == llm.tokenizer.decode(tokens, skip_special_tokens=True) == "hi\nhello there."
+
+
 def test_stats_report_the_run(llm):
     before = llm.stats()
     assert STATS_KEYS <= set(before)

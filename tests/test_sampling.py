@@ -7,9 +7,11 @@ import math
 import pytest
 import torch
 import transformers
+from transformers.generation.logits_process import MinPLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from worker.engine import LLM, SamplingParams
-from worker.engine.sampler import _filter, sample
+from worker.engine.llm import LLMEngine
+from worker.engine.sampler import _filter, _sample_rows, sample
 from worker.engine.sequence import Sequence
 
 PROMPTS = ["The zen of python", "Beautiful is better than ugly.", "Errors should never pass", "Now is better"]
@@ -46,6 +48,39 @@ def test_filters_keep_exactly_the_allowed_tokens():
                              [True, True, True, False, False]]    # p >= 0.25 * 0.5
 
 
+def _hf_filter(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """transformers' warpers in generate()'s order: top_k, then top_p, then min_p."""
+    warpers = ([TopKLogitsWarper(p.top_k)] if p.top_k > 0 else []) + [TopPLogitsWarper(p.top_p),
+                                                                       MinPLogitsWarper(p.min_p)]
+    for warp in warpers:
+        logits = warp(None, logits)
+    return logits
+
+
+def test_filters_match_transformers_warpers():
+    """top_p and min_p read the distribution top_k leaves: [.4, .3, .2, .1] with top_k=2 renormalises to [.57, .43],
+    so top_p=0.5 keeps one token (top_p on the whole distribution kept two)."""
+    cases = [SamplingParams(top_k=2, top_p=0.5)] + [
+        SamplingParams(top_k=k, top_p=p, min_p=m) for k in (-1, 1, 3, 20) for p in (0.3, 0.75, 1.0) for m in (0, 0.2)]
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(len(cases), 50, generator=gen) * 2
+    logits[0, :4] = torch.tensor([0.4, 0.3, 0.2, 0.1]).log()
+    logits[0, 4:] = -30
+    seqs = [Sequence(str(i), [1], p, 0.0) for i, p in enumerate(cases)]
+    ours = _filter(logits.clone(), seqs)
+    assert torch.isfinite(ours[0]).nonzero().flatten().tolist() == [0]
+    for row, p in enumerate(cases):
+        assert torch.equal(ours[row], _hf_filter(logits[row:row + 1].clone(), p)[0]), p
+
+
+def test_filtered_sampling_follows_the_transformers_distribution():
+    logits = torch.tensor([0.35, 0.25, 0.2, 0.12, 0.08]).log().repeat(4000, 1)
+    params = SamplingParams(top_k=3, top_p=0.7)  # top-3 renormalised: [.44, .31, .25]; top_p keeps two
+    tokens = _sample_rows(logits.clone(), [Sequence(str(i), [1], params, 0.0) for i in range(4000)])
+    freq = torch.bincount(tokens, minlength=5).float() / 4000
+    assert torch.allclose(freq, _hf_filter(logits[:1].clone(), params)[0].softmax(-1), atol=0.03)
+
+
 def test_sampling_follows_the_distribution():
     probs = torch.tensor([0.6, 0.3, 0.1])
     logits = probs.log().repeat(4000, 1)
@@ -63,6 +98,27 @@ def test_stop_string_ends_generation_and_is_not_in_the_text(llm):
     assert out.finish_reason == "stop"
     assert stop not in out.text and free.text.startswith(out.text)
     assert out.token_ids == free.token_ids[: len(out.token_ids)] and len(out.token_ids) < len(free.token_ids)
+
+
+def test_one_token_completing_two_stops_cuts_at_the_earliest(llm, scripted_tokens):
+    """' THE' completes both stops; the text ends before the first match in the text, not in the stop list."""
+    tokens = llm.tokenizer.encode("Now is better THE end", add_special_tokens=False)
+    assert " THE" in [llm.tokenizer.decode([t]) for t in tokens]  # one token
+    scripted_tokens(tokens)
+    stop = ["H", "T"]
+    out = llm.generate(PROMPTS[3], SamplingParams(max_tokens=len(tokens), stop=stop, ignore_eos=True))[0]
+    text = llm.tokenizer.decode(tokens)
+    assert out.finish_reason == "stop" and out.text == text[:min(text.find(s) for s in stop)] == "Now is better "
+
+
+def test_truncate_at_stop_keeps_no_stop_string():
+    seq = Sequence("s", [1], SamplingParams(stop=["later", "b", "xy"]), 0.0)
+    seq.text = "a xyb later"
+    assert LLMEngine._truncate_at_stop(seq, len(seq.text)) and seq.text == "a "
+    seq.text = "none here"
+    assert not LLMEngine._truncate_at_stop(seq, len(seq.text)) and seq.text == "none here"
+    seq.text = "x later"  # "later" ends in the new 2 characters: found though it starts before them
+    assert LLMEngine._truncate_at_stop(seq, 2) and seq.text == "x "
 
 
 def test_stop_token_ids_and_length(llm):

@@ -20,23 +20,31 @@ class TokenText:
 
     to_token: Callable[[int], str | None]
     to_string: Callable[[list[str]], str]
-    special_ids: frozenset[int]  # all_special_ids, taken once: the property rebuilds its list on every read
+    special_ids: frozenset[int]  # skipped ids (special_ids_of), taken once: all_special_ids rebuilds on every read
 
     def tokens(self, tokenizer, ids: list[int]) -> list[str]:
-        """convert_ids_to_tokens(ids, skip_special_tokens=True); where the backend serves to_token, without the
-        wrapper's rebuilding all_special_ids on every call (a replay's start: 1.7 us instead of 4 on the demo model)."""
+        """The tokens of ids less special_ids; where the backend serves to_token, without convert_ids_to_tokens'
+        rebuilding all_special_ids on every call (a replay's start: 1.7 us instead of 4 on the demo model)."""
         if self.to_token == getattr(tokenizer, "convert_ids_to_tokens", None):  # the wrappers: keep them
-            return tokenizer.convert_ids_to_tokens(ids, skip_special_tokens=True)
+            return tokenizer.convert_ids_to_tokens([i for i in ids if i not in self.special_ids],
+                                                   skip_special_tokens=True)
         return [self.to_token(i) for i in ids if i not in self.special_ids]
 
     @classmethod
     def of(cls, tokenizer) -> TokenText:
-        special = frozenset(tokenizer.all_special_ids)
+        special = special_ids_of(tokenizer)
         backend = getattr(tokenizer, "_tokenizer", None)
         if backend is None or not _base_wrappers(type(tokenizer)):
             return cls(tokenizer.convert_ids_to_tokens, tokenizer.convert_tokens_to_string, special)
         decoder = backend.decoder
         return cls(backend.id_to_token, decoder.decode if decoder is not None else " ".join, special)
+
+
+def special_ids_of(tokenizer) -> frozenset[int]:
+    """The ids decode(skip_special_tokens=True) drops: all_special_ids misses added tokens flagged special but not
+    named in the special tokens map (chat markers such as <|user|>, Llama-3's <|start_header_id|>)."""
+    added = getattr(tokenizer, "added_tokens_decoder", {})
+    return frozenset(tokenizer.all_special_ids) | {i for i, t in added.items() if getattr(t, "special", False)}
 
 
 def _base_wrappers(cls: type) -> bool:

@@ -183,12 +183,14 @@ class LLMEngine:
         if lp is not None:
             seq.logprobs.append(lp)
         p = seq.params
+        new = ""
         if p.detokenize:
-            seq.text += detokenizer.append(self.token_text, seq, token)
+            new = detokenizer.append(self.token_text, seq, token)
+            seq.text += new
         reason = None
         if (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids:
             reason = "stop"
-        elif p.stop and self._truncate_at_stop(seq):
+        elif p.stop and self._truncate_at_stop(seq, len(new)):
             reason = "stop"
         elif len(seq.token_ids) - seq.num_prompt_tokens >= p.max_tokens:
             reason = "length"
@@ -197,13 +199,15 @@ class LLMEngine:
             self.scheduler.finish(seq)
 
     @staticmethod
-    def _truncate_at_stop(seq: Sequence) -> bool:
-        for stop in seq.params.stop:
-            at = seq.text.find(stop)
-            if at != -1:
-                seq.text = seq.text[:at]
-                return True
-        return False
+    def _truncate_at_stop(seq: Sequence, new: int) -> bool:
+        # cut at the earliest match of any stop string, not the first in list order: one token can complete two,
+        # and the text must keep neither (OpenAI's semantics). Only a match ending in the new `new` characters is
+        # new (an earlier one finished the request), so the search starts there: not the whole text every token
+        start = max(len(seq.text) - new - max(map(len, seq.params.stop)) + 1, 0)
+        found = [at for stop in seq.params.stop if (at := seq.text.find(stop, start)) != -1]
+        if found:
+            seq.text = seq.text[:min(found)]
+        return bool(found)
 
     def stats(self) -> dict:
         bm = self.block_manager

@@ -41,10 +41,13 @@ def _filter(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         return logits
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     ranks = torch.arange(vocab, device=logits.device)[None, :]
-    drop = ranks >= torch.tensor(top_k, device=logits.device)[:, None]
+    sorted_logits = sorted_logits.masked_fill(ranks >= torch.tensor(top_k, device=logits.device)[:, None],
+                                              float("-inf"))
+    # top_p reads the distribution top_k leaves, renormalised (HF's TopK then TopP warpers, vLLM); min_p is a ratio
+    # to the top token, which no filter drops, so the renormalising leaves it as it was
     probs = sorted_logits.softmax(dim=-1)
     # keep the smallest set whose mass reaches top_p (always the first token)
-    drop |= (probs.cumsum(dim=-1) - probs) >= torch.tensor(top_p, device=logits.device)[:, None]
+    drop = (probs.cumsum(dim=-1) - probs) >= torch.tensor(top_p, device=logits.device)[:, None]
     drop |= probs < probs[:, :1] * torch.tensor(min_p, device=logits.device)[:, None]
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
