@@ -12,7 +12,9 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 
+from api.schemas import readable
 from api.store import Conflict, InvalidInput, NotFound, StoreError
+from api.store.batches import InvalidBody
 
 VALIDATION_CODES = {"missing": "missing_required_parameter", "extra_forbidden": "unknown_parameter"}
 VALIDATION_DETAILS = {"missing": "required field is missing", "extra_forbidden": "unknown field"}
@@ -38,7 +40,9 @@ class ApiError(Exception):
 def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
                    headers: dict[str, str] | None = None) -> JSONResponse:
     kind = "server_error" if status >= 500 else "rate_limit_error" if status == 429 else "invalid_request_error"
-    body = ErrorResponse(error=ErrorBody(message=message, type=kind, param=param, code=code))
+    # a message may quote what was given, lone surrogates included, which UTF-8 cannot encode: escape them
+    body = ErrorResponse(error=ErrorBody(message=readable(message), type=kind, param=param and readable(param),
+                                         code=code))
     return JSONResponse(body.model_dump(), status_code=status, headers=headers)
 
 
@@ -61,7 +65,7 @@ async def _store_error(_request: Request, e: StoreError) -> JSONResponse:
     if isinstance(e, Conflict):
         return error_response(409, str(e), e.param, "conflict")
     param = e.param if isinstance(e, InvalidInput) else None
-    return error_response(400, str(e), param, "invalid_value")
+    return error_response(400, str(e), param, e.code if isinstance(e, InvalidBody) else "invalid_value")
 
 
 async def _validation_error(_request: Request, e: RequestValidationError) -> JSONResponse:

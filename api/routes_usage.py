@@ -16,11 +16,12 @@ from api.objects import UsageReport, UsageRow, UsageTotals
 
 router = APIRouter(prefix="/v1/usage", tags=["usage"])
 SUMMED = ("requests", "prompt_tokens", "cached_tokens", "completion_tokens", "gpu_seconds", "cost")
+MAX_TIME = 2**63 - 1  # the database takes a Python int as a BIGINT: a larger one fails the query
 
 
 @router.get("", response_model=UsageReport, summary="sluice: usage by day and batch")
-def usage(svc: ServicesDep, me: CallerDep, start_time: Annotated[int, Query(ge=0)] = 0,
-          end_time: Annotated[int | None, Query(ge=0)] = None) -> UsageReport:
+def usage(svc: ServicesDep, me: CallerDep, start_time: Annotated[int, Query(ge=0, le=MAX_TIME)] = 0,
+          end_time: Annotated[int | None, Query(ge=0, le=MAX_TIME)] = None) -> UsageReport:
     """Results that finished in [start_time, end_time) (unix seconds; by default all of them up to now)."""
     end = int(time.time()) + 1 if end_time is None else end_time
     if end <= start_time:

@@ -14,6 +14,7 @@ model or the cache allows), invalid_prompt (the chat template or the engine refu
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from dataclasses import dataclass
 from itertools import accumulate
@@ -26,6 +27,8 @@ CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
 PROMPT_FIELDS = {CHAT_URL: "body.messages", COMPLETIONS_URL: "body.prompt"}
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the rest of the context
+SURROGATE = re.compile("[\ud800-\udfff]")  # code points UTF-8 cannot encode; a str holds them only unpaired
+SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")  # a JSON escape of one
 
 
 def _unsupported(detail: str) -> PydanticCustomError:
@@ -198,15 +201,41 @@ def line_error(line: int, code: str, detail: str, custom_id: str | None = None, 
     return LineError(line, code, where + detail, custom_id, param)
 
 
+def valid_unicode(text: str) -> bool:
+    """Whether UTF-8 (and so PostgreSQL, JSON and HTTP) can hold the text: no surrogate code point, which a lone
+    \\uD800-\\uDFFF escape in JSON gives."""
+    return SURROGATE.search(text) is None
+
+
+def readable(text: str) -> str:
+    """The text with any surrogate code point written as its escape, so that it can be stored and shown."""
+    return text.encode("utf-8", "backslashreplace").decode()
+
+
+def line_text(raw: str | bytes) -> str:
+    """A line's text: its bytes must be UTF-8 (the first line may start with a BOM), else UnicodeDecodeError;
+    json.loads of the bytes would also take UTF-16 and encoded surrogates."""
+    return raw.decode().removeprefix("\ufeff") if isinstance(raw, bytes) else raw  # utf-8-sig is 10x slower
+
+
 def parse_line(raw: str | bytes, line: int) -> BatchRequest | LineError:
     """Validate one input line (1-based `line`) on its own; duplicates are BatchValidator's business."""
     try:
-        data = json.loads(raw)
+        text = line_text(raw)
+        data = json.loads(text)
+        lone_surrogate = _lone_surrogate(raw, text, data)
+    except UnicodeDecodeError as e:
+        return line_error(line, "invalid_json_line", f"not UTF-8 text ({e})")
     except ValueError as e:
         return line_error(line, "invalid_json_line", f"not valid JSON ({e})")
+    except RecursionError:
+        return line_error(line, "invalid_json_line", "not valid JSON: nested too deeply")
     if not isinstance(data, dict):
         return line_error(line, "invalid_json_line", f"a line must be a JSON object, not {type(data).__name__}")
     custom_id = _custom_id(data)
+    if lone_surrogate:  # refused before the fields are, whose errors would quote it
+        return line_error(line, "invalid_value", "contains a lone UTF-16 surrogate escape (\\ud800 to \\udfff "
+                          "outside a pair), which is not valid Unicode", custom_id and readable(custom_id))
     try:
         head = BatchRequestLine.model_validate(data)
     except ValidationError as e:
@@ -216,6 +245,13 @@ def parse_line(raw: str | bytes, line: int) -> BatchRequest | LineError:
     except ValidationError as e:
         return _validation_error(e, line, custom_id, ("body",))
     return BatchRequest(line, head.custom_id, head.url, body)
+
+
+def _lone_surrogate(raw: str | bytes, text: str, data: Any) -> bool:
+    """Whether a string or key of the line holds a lone surrogate. Decoded strictly from UTF-8, a line holds one only
+    from an unpaired \\uD800-\\uDFFF escape: the cheap search spares ordinary lines the full check."""
+    suspect = isinstance(raw, str) or SURROGATE_ESCAPE.search(text) is not None
+    return suspect and not valid_unicode(json.dumps(data, ensure_ascii=False))
 
 
 def _custom_id(data: dict) -> str | None:

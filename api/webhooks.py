@@ -34,6 +34,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from api.models import WebhookDelivery, WebhookEndpoint
 from api.queue import DELIVER_WEBHOOK
+from api.schemas import valid_unicode
 
 FIRST_DELAY = 5.0
 MAX_DELAY = 3600.0
@@ -62,11 +63,17 @@ def allow_private() -> bool:
 
 def check_url(url: str) -> list[str]:
     """The addresses the URL's host resolves to, all of them allowed; UrlRefused otherwise."""
-    parts = urlsplit(url)
+    if "\x00" in url or not valid_unicode(url):  # no URL has them, and the database cannot store them
+        raise UrlRefused(f"url {url!r}: has a NUL character or a lone surrogate")
+    try:
+        parts = urlsplit(url)
+        port = _port(parts)
+    except ValueError as e:  # brackets that close no IPv6 address, a port that is no number or out of range
+        raise UrlRefused(f"url {url!r}: {e}") from None
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise UrlRefused(f"url {url!r}: an http:// or https:// URL is required")
     try:
-        infos = socket.getaddrinfo(parts.hostname, _port(parts), type=socket.SOCK_STREAM)
+        infos = socket.getaddrinfo(parts.hostname, port, type=socket.SOCK_STREAM)
     except (socket.gaierror, UnicodeError) as e:
         raise UrlRefused(f"url {url!r}: its host {parts.hostname!r} does not resolve ({e})") from None
     addresses = list(dict.fromkeys(info[4][0] for info in infos))

@@ -20,7 +20,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from api.models import Batch, Request, Result
-from api.schemas import BODIES, BatchRequest, BatchValidator, LineError, line_error, parse_line
+from api.schemas import BODIES, BatchRequest, BatchValidator, LineError, line_error, parse_line, valid_unicode
 from api.store.common import REQUEST_PREFIX, InvalidInput, error_result, insert_rows, new_id
 from api.store.files import file_content, get_file, store_file
 from api.store.lifecycle import settle
@@ -35,6 +35,14 @@ WINDOW = re.compile(r"([1-9][0-9]{0,3})h")
 METADATA_LIMITS = (16, 64, 512)  # OpenAI's: pairs, key characters, value characters
 MAX_CUSTOM_ID = 512
 MAX_MODEL_NAME = 255
+
+
+class InvalidBody(InvalidInput):
+    """A single request's body, refused as its batch line would be: with that line's error code."""
+
+    def __init__(self, error: LineError):
+        super().__init__(error.message.removeprefix(f"line {error.line}: "), error.param)
+        self.code = error.code
 
 
 @dataclass
@@ -108,7 +116,7 @@ def create_batch(session: Session, tenant_id: int, input_file_id: str, *, endpoi
     rules = _Rules(endpoint, model, model is not None)
     validator = BatchValidator()
     checked = [_checked(validator, rules, number, raw) for number, raw in lines]
-    if all(isinstance(c, LineError) and c.code == "invalid_json_line" for c in checked):
+    if all(_not_json(c) for c in checked):
         return _fail(session, batch, {"code": "invalid_jsonl", "message": f"no line is a JSON object; "
                                       f"{checked[0].message}", "param": None, "line": None}, now), None
     batch.endpoint, batch.model = rules.endpoint or "", rules.model or ""
@@ -145,11 +153,14 @@ def input_file_problem(data: bytes, max_lines: int = MAX_LINES) -> dict[str, Any
     lines = _lines(data)
     if problem := _file_problem(lines, max_lines):
         return problem
-    if any(isinstance(_json(raw), dict) for _, raw in lines):
-        return None
-    number, raw = lines[0]
-    return {"code": "invalid_jsonl", "message": f"the file is not JSONL: no line is a JSON object; "
-            f"{parse_line(raw, number).message}", "param": None, "line": number}
+    first = None
+    for number, raw in lines:  # as create_batch judges them: parsed the same way, one at a time
+        checked = parse_line(raw, number)
+        if not _not_json(checked):
+            return None
+        first = first or checked
+    return {"code": "invalid_jsonl", "message": f"the file is not JSONL: no line is a JSON object; {first.message}",
+            "param": None, "line": first.line}
 
 
 def create_request(session: Session, tenant_id: int, endpoint: str, body: dict[str, Any],
@@ -162,11 +173,12 @@ def create_request(session: Session, tenant_id: int, endpoint: str, body: dict[s
     line = json.dumps({"custom_id": request_id, "method": "POST", "url": endpoint, "body": body})
     checked = parse_line(line, 1)
     if isinstance(checked, LineError):
-        raise InvalidInput(checked.message.removeprefix("line 1: "), checked.param)
+        raise InvalidBody(checked)
     model = checked.body.model
-    if model is None or (problem := _model_problem(model)):
-        raise InvalidInput("body.model: " + (problem if model is not None else "required field is missing"),
-                           "body.model")
+    if model is None:
+        raise InvalidBody(line_error(1, "missing_required_parameter", "required field is missing", param="body.model"))
+    if problem := _model_problem(model):
+        raise InvalidBody(line_error(1, "invalid_value", problem, param="body.model"))
     now = time.time()
     batch = Batch(id=request_id, tenant_id=tenant_id, endpoint=endpoint, input_file_id="",
                   completion_window=completion_window, model=model, priority=DEFAULT_PRIORITY, status="in_progress",
@@ -183,17 +195,14 @@ def _lines(data: bytes) -> list[tuple[int, bytes]]:
     return [(number, raw) for number, raw in enumerate(data.split(b"\n"), 1) if raw.strip()]
 
 
-def _json(raw: bytes) -> Any:
-    try:
-        return json.loads(raw)
-    except ValueError:
-        return None
-
-
 def _model_problem(name: str) -> str | None:
     if not name.strip() or len(name) > MAX_MODEL_NAME or "\x00" in name:
         return f"a model name has 1 to {MAX_MODEL_NAME} characters, not all blank, none of them NUL"
     return None
+
+
+def _not_json(checked: BatchRequest | LineError) -> bool:
+    return isinstance(checked, LineError) and checked.code == "invalid_json_line"
 
 
 def _checked(validator: BatchValidator, rules: _Rules, number: int, raw: bytes) -> BatchRequest | LineError:
@@ -245,3 +254,6 @@ def _check_metadata(metadata: dict[str, str] | None) -> None:
         if not (isinstance(key, str) and isinstance(value, str)) or len(key) > key_chars or len(value) > value_chars:
             raise InvalidInput(f"metadata[{key!r}]: keys are strings of at most {key_chars} characters, values of "
                                f"at most {value_chars}", "metadata")
+        if not (valid_unicode(key) and valid_unicode(value)):  # JSON's lone \uD800-\uDFFF escapes: no UTF-8 holds them
+            raise InvalidInput(f"metadata[{key!r}]: contains a lone UTF-16 surrogate escape, which is not valid "
+                               "Unicode", "metadata")

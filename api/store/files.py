@@ -9,6 +9,7 @@ from sqlalchemy.orm import Session
 
 from api.models import File, FileContent
 from api.store.common import InvalidInput, NotFound, new_id
+from api.store.ids import findable
 
 MAX_FILE_BYTES = 200 * 1024 * 1024  # OpenAI's limit for batch input files
 PURPOSES = ("batch",)
@@ -33,7 +34,7 @@ def store_file(session: Session, tenant_id: int, filename: str, purpose: str, da
 
 def get_file(session: Session, file_id: str, tenant_id: int | None = None) -> File:
     """The file, if it exists and (when tenant_id is given) belongs to that tenant: another's is not found."""
-    file = session.get(File, file_id)
+    file = session.get(File, file_id) if findable(file_id) else None
     if file is None or (tenant_id is not None and file.tenant_id != tenant_id):
         raise NotFound(f"file {file_id} not found")
     return file

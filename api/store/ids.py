@@ -1,5 +1,5 @@
-"""A list of request ids as one bound parameter: `column = ANY(%(ids)s::BIGINT[])` on PostgreSQL, `column IN (SELECT
-value FROM json_each(?))` on SQLite.
+"""Ids in queries: a list of request ids as one bound parameter, `column = ANY(%(ids)s::BIGINT[])` on PostgreSQL,
+`column IN (SELECT value FROM json_each(?))` on SQLite; and which text ids (and cursors) a lookup may bind at all.
 
 SQLAlchemy's expanding `in_()` renders one placeholder per id into the SQL on every execution, and psycopg then
 adapts each one; on a worker's hot path (four statements a chunk) that rendering cost more client CPU than the rest
@@ -17,6 +17,8 @@ from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.sql.visitors import InternalTraversal
 from sqlalchemy.types import TypeDecorator
+
+from api.schemas import valid_unicode
 
 
 class IdList(TypeDecorator):
@@ -53,3 +55,9 @@ def _in_json_each(element: InIds, compiler, **kw) -> str:
 @compiles(InIds, "postgresql")
 def _any_array(element: InIds, compiler, **kw) -> str:
     return f"{compiler.process(element.column, **kw)} = ANY({compiler.process(element.ids, **kw)})"
+
+
+def findable(text_id: str) -> bool:
+    """Whether a row can have this id: PostgreSQL text holds no NUL and no lone surrogate (not UTF-8), and a query
+    binding one fails instead of finding nothing. Callers answer not found (or a bad cursor) without asking."""
+    return "\x00" not in text_id and valid_unicode(text_id)

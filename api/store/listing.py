@@ -14,6 +14,7 @@ from sqlalchemy.orm import Session
 from api.models import Batch, File
 from api.store.common import REQUEST_PREFIX, InvalidInput
 from api.store.files import get_file
+from api.store.ids import findable
 
 Order = Literal["asc", "desc"]
 
@@ -24,7 +25,8 @@ def page(session: Session, stmt: Select, model, after: str | None, limit: int,
     and whether more follow."""
     created, ident = model.created_at, model.id
     if after is not None:
-        cursor = session.execute(stmt.with_only_columns(created, ident).where(ident == after)).first()
+        at_after = stmt.with_only_columns(created, ident).where(ident == after)
+        cursor = session.execute(at_after).first() if findable(after) else None
         if cursor is None:
             raise InvalidInput(f"after: {after!r} is not the id of an object in this list", "after")
         at, at_id = cursor
@@ -41,6 +43,9 @@ def list_files(session: Session, tenant_id: int, after: str | None, limit: int, 
                purpose: str | None = None) -> tuple[list[File], bool]:
     stmt = select(File).where(File.tenant_id == tenant_id)
     if purpose is not None:
+        if not findable(purpose):
+            raise InvalidInput(f"purpose {purpose!r}: no file's purpose has a NUL character or a lone surrogate",
+                               "purpose")
         stmt = stmt.where(File.purpose == purpose)
     return page(session, stmt, File, after, limit, order)
 

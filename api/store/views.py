@@ -16,6 +16,7 @@ from sqlalchemy.orm import Session
 from api.models import Batch, Request, Result
 from api.schemas import LineError, error_line, output_line
 from api.store.common import InvalidInput, NotFound
+from api.store.ids import findable
 from api.store.usage import batch_usage
 from api.store.workers import live_workers
 
@@ -43,7 +44,7 @@ def view_file(file_id: str) -> tuple[str, str] | None:
 
 def get_batch(session: Session, batch_id: str, tenant_id: int | None = None) -> Batch:
     """The batch, if it exists and (when tenant_id is given) belongs to that tenant: another's is not found."""
-    batch = session.get(Batch, batch_id)
+    batch = session.get(Batch, batch_id) if findable(batch_id) else None
     if batch is None or (tenant_id is not None and batch.tenant_id != tenant_id):
         raise NotFound(f"batch {batch_id} not found")
     return batch

@@ -16,6 +16,7 @@ from sqlalchemy.orm import Session
 
 from api.models import WebhookDelivery, WebhookEndpoint
 from api.store.common import REQUEST_PREFIX, InvalidInput, NotFound, new_id
+from api.store.ids import findable
 from api.store.listing import page
 
 EVENTS = ("batch.completed", "batch.failed", "batch.cancelled", "batch.expired")
@@ -41,7 +42,7 @@ def create_webhook_endpoint(session: Session, tenant_id: int, url: str,
 
 
 def get_webhook_endpoint(session: Session, endpoint_id: str, tenant_id: int) -> WebhookEndpoint:
-    endpoint = session.get(WebhookEndpoint, endpoint_id)
+    endpoint = session.get(WebhookEndpoint, endpoint_id) if findable(endpoint_id) else None
     if endpoint is None or endpoint.tenant_id != tenant_id:
         raise NotFound(f"webhook endpoint {endpoint_id} not found")
     return endpoint

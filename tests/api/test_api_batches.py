@@ -203,3 +203,71 @@ def test_efficiency_and_usage(api, tenant_key, openai_client):
     assert later["data"] == [] and later["total"]["requests"] == 0
     response = httpx.get(f"{api.url}/v1/usage", params={"start_time": 10, "end_time": 5}, headers=headers)
     assert response.status_code == 400 and response.json()["error"]["param"] == "end_time"
+
+
+def test_lines_nested_too_deeply_or_with_lone_surrogates_are_readable_error_lines(api, tenant_key, openai_client):
+    client = openai_client(tenant_key())
+    # json.dumps writes each lone surrogate as its escape, \ud800; the pair in "d" is one character, and valid
+    batch = create(client, [chat("a"), "[" * 5000 + "]" * 5000, chat("q\ud800"), chat("b", model="\ud800"),
+                            chat("c", content="x\udfff"), chat("d", content="\U0001F600")])
+    assert (batch.status, batch.request_counts.failed, batch.request_counts.total) == ("in_progress", 4, 6)
+    assert sorted(request_ids(api.sessions, batch.id)) == ["a", "d"]
+    errors = [json.loads(line) for line in client.files.content(batch.error_file_id).text.splitlines()]
+    assert [(e["error"]["line"], e["custom_id"], e["error"]["code"]) for e in errors] == [
+        (2, None, "invalid_json_line"), (3, "q\\ud800", "invalid_value"), (4, "b", "invalid_value"),
+        (5, "c", "invalid_value")]
+    assert "nested too deeply" in errors[0]["error"]["message"]
+    assert all("lone UTF-16 surrogate" in e["error"]["message"] for e in errors[1:])
+    assert client.files.retrieve(batch.error_file_id).bytes == len(client.files.content(batch.error_file_id).content)
+    response = httpx.get(f"{api.url}/v1/batches/{batch.id}/results",
+                         headers={"Authorization": f"Bearer {client.api_key}"})
+    assert response.status_code == 200 and len(response.json()["data"]) == 4
+
+
+def test_a_lone_surrogate_in_metadata_stores_nothing(api, tenant_key, openai_client):
+    client = openai_client(tenant_key())
+    body = {"input_file_id": upload(client, [chat("a")]), "endpoint": "/v1/chat/completions",
+            "completion_window": "24h", "metadata": {"k": "\ud800"}}
+    before = api.counts()
+    # json.dumps escapes the surrogate, which httpx's own encoding (UTF-8) cannot hold
+    response = httpx.post(f"{api.url}/v1/batches", content=json.dumps(body),
+                          headers={"Authorization": f"Bearer {client.api_key}", "content-type": "application/json"})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert (error["param"], error["code"]) == ("metadata", "invalid_value") and "surrogate" in error["message"]
+    assert api.counts() == before and api.redis.dbsize() == 0
+
+
+def test_batch_ids_and_cursors_no_row_can_have_are_refused(api, tenant_key, openai_client):
+    client = openai_client(tenant_key())
+    create(client, [chat("a")])
+    auth = {"Authorization": f"Bearer {client.api_key}"}
+    for method, path in [("GET", "batches/%00"), ("GET", "batches/batch_%00"), ("POST", "batches/%00/cancel"),
+                         ("GET", "batches/%00/results"), ("GET", "batches/%00/efficiency"),
+                         ("GET", "requests/req_%00")]:
+        response = httpx.request(method, f"{api.url}/v1/{path}", headers=auth)
+        assert response.status_code == 404 and response.json()["error"]["code"] == "not_found", (method, path)
+    response = httpx.get(f"{api.url}/v1/batches", params={"after": "\x00"}, headers=auth)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "after"
+    before = api.counts()
+    for file_id in ("f\x00", "file-\ud800"):
+        body = {"input_file_id": file_id, "endpoint": "/v1/chat/completions", "completion_window": "24h"}
+        response = httpx.post(f"{api.url}/v1/batches", content=json.dumps(body),
+                              headers={**auth, "content-type": "application/json"})
+        assert response.status_code == 404 and "not found" in response.json()["error"]["message"], response.text
+    assert api.counts() == before and api.redis.dbsize() == 1  # the first batch's chunk
+
+
+@pytest.mark.parametrize("path, params, param", [
+    ("batches/{batch}/results", {"after": 2**31}, "after"),
+    ("usage", {"end_time": 10**20}, "end_time"),
+    ("usage", {"start_time": 2**63}, "start_time"),
+])
+def test_integers_past_the_columns_range_are_400(api, tenant_key, openai_client, path, params, param):
+    client = openai_client(tenant_key())
+    batch = create(client, [chat("a")])
+    response = httpx.get(f"{api.url}/v1/{path.format(batch=batch.id)}", params=params,
+                         headers={"Authorization": f"Bearer {client.api_key}"})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert (error["param"], error["code"]) == (param, "invalid_value") and "less than or equal" in error["message"]

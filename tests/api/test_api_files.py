@@ -51,6 +51,7 @@ def test_bad_pagination_parameters_are_400(api, tenant_key, params, param):
 @pytest.mark.parametrize("data, purpose, status, code, words", [
     (b"a,b,c\n1,2,3\n", "batch", 400, "invalid_jsonl", "not JSONL"),
     (b"\x89PNG\r\n\x1a\n\x00\x00", "batch", 400, "invalid_jsonl", "not JSONL"),
+    (b"[" * 5000 + b"\n", "batch", 400, "invalid_jsonl", "nested too deeply"),
     (b"", "batch", 400, "empty_file", "no requests"),
     (b"\n  \n", "batch", 400, "empty_file", "no requests"),
     (jsonl([chat("a")]), "fine-tune", 400, "invalid_value", "purpose 'fine-tune'"),
@@ -96,3 +97,17 @@ def test_unknown_file_ids_are_404(api, tenant_key, openai_client):
                                       "param": None, "code": "not_found"}
     with pytest.raises(openai.NotFoundError):
         client.files.content("file-out-batch_nope")
+
+
+def test_file_ids_and_filters_no_row_can_have_are_refused(api, tenant_key, openai_client):
+    client = openai_client(tenant_key())
+    client.files.create(file=("in.jsonl", jsonl([chat("a")])), purpose="batch")
+    auth = {"Authorization": f"Bearer {client.api_key}"}
+    for method, path in [("GET", "%00"), ("GET", "%00/content"), ("DELETE", "%00"), ("GET", "file-out-%00"),
+                         ("GET", "file-err-%00/content"), ("DELETE", "file-out-%00")]:
+        response = httpx.request(method, f"{api.url}/v1/files/{path}", headers=auth)
+        assert response.status_code == 404 and response.json()["error"]["code"] == "not_found", (method, path)
+    for param in ("after", "purpose"):
+        response = httpx.get(f"{api.url}/v1/files", params={param: "a\x00"}, headers=auth)
+        assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
+    assert api.count("files") == 1

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import pytest
 from api_helpers import chat, finish
@@ -51,3 +53,22 @@ def test_bad_requests_store_nothing(api, tenant_key, payload, status, param, wor
 def test_unknown_request_is_404(api, tenant_key):
     auth = {"Authorization": f"Bearer {tenant_key()}"}
     assert httpx.get(f"{api.url}/v1/requests/req_nope", headers=auth).status_code == 404
+
+
+@pytest.mark.parametrize("body, code, param", [
+    ({"model": "tiny", "prompt": "x", "colour": "red"}, "unknown_parameter", "body.colour"),
+    ({"prompt": "x"}, "missing_required_parameter", "body.model"),
+    ({"model": "tiny", "prompt": "x", "n": 2}, "unsupported_value", "body.n"),
+    ({"model": "\ud800", "prompt": "x"}, "invalid_value", None),
+    ({"model": "tiny", "prompt": "\ud83d"}, "invalid_value", None),
+])
+def test_a_bad_body_has_the_error_code_its_batch_line_would(api, tenant_key, body, code, param):
+    auth = {"Authorization": f"Bearer {tenant_key()}", "content-type": "application/json"}
+    before = api.counts()
+    # json.dumps writes a lone surrogate as its escape, which httpx's own encoding (UTF-8) cannot hold
+    response = httpx.post(f"{api.url}/v1/requests", content=json.dumps({"endpoint": "/v1/completions", "body": body}),
+                          headers=auth)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert (error["code"], error["param"]) == (code, param) and not error["message"].startswith("line")
+    assert api.counts() == before and api.redis.dbsize() == 0

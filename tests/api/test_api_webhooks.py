@@ -192,3 +192,31 @@ def test_only_wanted_events_are_written_and_published_after_commit(api, tenant_k
     with api.sessions.begin() as session:
         assert store.due_deliveries(session, time.time()) == [row.id]
         assert store.due_deliveries(session, row.created_at - 1) == []
+
+
+@pytest.mark.parametrize("url, words", [
+    ("http://1.1.1.1:99999/", "Port out of range"), ("http://1.1.1.1:abc/", "could not be cast to integer"),
+    ("http://[::1/", "Invalid IPv6 URL"), ("http://1.1.1.1/a\x00b", "NUL character"),
+    ("http://1.1.1.1/\ud800", "lone surrogate"),
+])
+def test_urls_that_cannot_be_parsed_or_stored_are_400(api, tenant_key, url, words):
+    auth = {**headers(tenant_key()), "content-type": "application/json"}
+    before = api.counts()
+    # json.dumps escapes the surrogate, which httpx's own encoding (UTF-8) cannot hold
+    response = httpx.post(f"{api.url}/v1/webhook_endpoints", content=json.dumps({"url": url}), headers=auth)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert (error["code"], error["param"]) == ("url_not_allowed", "url") and words in error["message"]
+    assert api.counts() == before
+
+
+def test_endpoint_ids_and_cursors_no_row_can_have_are_not_found(api, tenant_key, private_ok):
+    key = tenant_key()
+    endpoint = register(api, key, "http://127.0.0.1:9/hook")["id"]
+    base = f"{api.url}/v1/webhook_endpoints"
+    for method, path in [("GET", "/%00"), ("DELETE", "/%00"), ("GET", "/%00/deliveries")]:
+        response = httpx.request(method, base + path, headers=headers(key))
+        assert response.status_code == 404 and response.json()["error"]["code"] == "not_found", (method, path)
+    response = httpx.get(f"{base}/{endpoint}/deliveries", params={"after": "\x00"}, headers=headers(key))
+    assert response.status_code == 400 and response.json()["error"]["param"] == "after"
+    assert api.count("webhook_endpoints") == 1

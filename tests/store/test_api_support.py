@@ -46,7 +46,9 @@ def test_deleting_a_file_keeps_its_batches(sessions):
 
 @pytest.mark.parametrize("data, code", [(b"", "empty_file"), (b"\n \n", "empty_file"), (b"a,b\n1,2\n", "invalid_jsonl"),
                                         (b"[1]\n2\n", "invalid_jsonl"), (jsonl([chat(str(i)) for i in range(4)]),
-                                                                         "too_many_lines")])
+                                                                         "too_many_lines"),
+                                        (b"[" * 5000 + b"\n", "invalid_jsonl"),
+                                        (b'{"a": "\xed\xa0\x80"}', "invalid_jsonl")])
 def test_input_file_problems(data, code):
     assert store.input_file_problem(data, max_lines=3)["code"] == code
 

@@ -3,6 +3,7 @@ store nothing else, request rows written in bulk, chunks published to the model'
 
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
@@ -90,6 +91,24 @@ def test_values_the_database_cannot_hold_are_bad_lines_not_a_failed_transaction(
         submit(sessions, [chat("a")], model="x" * 256)
 
 
+def test_lines_too_deep_not_utf8_or_with_lone_surrogates_are_bad_lines(sessions):
+    # json.dumps writes a lone surrogate as its escape (\\ud800); bytes that encode one are not UTF-8
+    data = (b"\xef\xbb\xbf" + jsonl([chat("a"), "[" * 5000 + "]" * 5000, chat("q\ud800"), chat("b", content="\udfff"),
+                                   chat("c", content="\U0001F600")]) + b'{"custom_id": "d\xed\xa0\x80"}\n')
+    batch, work = submit(sessions, data)
+    assert (batch.status, batch.request_total, batch.request_failed, len(work.request_ids)) == ("in_progress", 6, 4, 2)
+    with sessions.begin() as session:
+        errors = [e["error"] for e in store.error_lines(session, batch.id)]
+        custom_ids = [e["custom_id"] for e in store.error_lines(session, batch.id)]
+        queued = session.scalars(select(Request.body).where(Request.batch_id == batch.id, Request.status == "queued"))
+        assert [body["messages"][0]["content"] for body in queued.all()] == ["Hello", "\U0001F600"]
+    assert [(e["line"], e["code"]) for e in errors] == [(2, "invalid_json_line"), (3, "invalid_value"),
+                                                        (4, "invalid_value"), (6, "invalid_json_line")]
+    assert "nested too deeply" in errors[0]["message"] and "not UTF-8" in errors[3]["message"]
+    assert "lone UTF-16 surrogate escape" in errors[1]["message"] and custom_ids == [None, "q\\ud800", "b", None]
+    json.dumps(errors, ensure_ascii=False).encode()  # UTF-8 holds every error: the error file can be downloaded
+
+
 def test_a_file_of_only_bad_lines_completes_at_once(sessions):
     batch, work = submit(sessions, [chat("a", max_tokens=-1), "{}"])
     assert work is None
@@ -99,7 +118,7 @@ def test_a_file_of_only_bad_lines_completes_at_once(sessions):
 @pytest.mark.parametrize("kwargs, param", [
     (dict(priority=10), "priority"), (dict(completion_window="1d"), "completion_window"),
     (dict(endpoint="/v1/embeddings"), "endpoint"), (dict(metadata={"k": "v" * 513}), "metadata"),
-    (dict(metadata={str(i): "" for i in range(17)}), "metadata")])
+    (dict(metadata={str(i): "" for i in range(17)}), "metadata"), (dict(metadata={"k": "\ud800"}), "metadata")])
 def test_bad_arguments_are_refused_and_store_nothing(sessions, kwargs, param):
     with pytest.raises(store.InvalidInput, match=param) as refused:
         submit(sessions, [chat("a")], **kwargs)
