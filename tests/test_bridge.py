@@ -18,7 +18,7 @@ from functools import partial
 import pytest
 from processes import thread_nices
 
-from worker.bridge import EngineBridge, default_engine_threads
+from worker.bridge import EngineBridge, EngineNotRunning, default_engine_threads
 from worker.cpus import PINNED_ENGINE_NICE, split_cpus
 from worker.engine import LLM, LLMEngine, RequestRejected, SamplingParams
 from worker.engine.config import ModelError
@@ -93,7 +93,7 @@ def test_abort_cancels_and_stop_cancels_the_rest(build):
     stats = bridge.final_stats
     assert stats["num_running"] == stats["num_waiting"] == stats["kv_blocks_used"] == 0
     after = bridge.submit("late", [5], PARAMS)
-    with pytest.raises(RuntimeError, match="not running"):
+    with pytest.raises(EngineNotRunning, match="not running"):  # never ran: a worker gives it back
         after.result(timeout=1)
 
 
@@ -109,7 +109,7 @@ def test_an_engine_process_that_dies_fails_the_waiters(build):
     with pytest.raises(CancelledError):
         waiting.result(timeout=30)
     assert "died" in str(bridge.error)
-    with pytest.raises(RuntimeError, match="not running"):
+    with pytest.raises(EngineNotRunning, match="not running"):
         bridge.submit("x", [5], PARAMS).result(timeout=1)
     bridge.stop(timeout=10)
 

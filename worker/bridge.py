@@ -31,6 +31,10 @@ def default_engine_threads() -> int:
     return max(1, len(os.sched_getaffinity(0)) - 1)
 
 
+class EngineNotRunning(RuntimeError):
+    """A request submitted after the engine stopped or died: it never ran, so another worker may run it."""
+
+
 class EngineBridge:
     def __init__(self, build: Callable[[], LLMEngine], window_seconds: float = 10.0,
                  on_window: Callable[[EfficiencyWindow], None] | None = None,
@@ -93,7 +97,8 @@ class EngineBridge:
 
     def submit(self, request_id: str, prompt: list[int], params: SamplingParams, priority: int = 0,
                arrival_time: float | None = None) -> Future:
-        """Queue a request; the future gets its finished RequestOutput, or RequestRejected."""
+        """Queue a request; the future gets its finished RequestOutput, RequestRejected, EngineNotRunning, or
+        CancelledError (aborted, or the engine stopped or died while running it)."""
         return self.submit_many([Submit(request_id, prompt, params, priority, arrival_time)])[0]
 
     def submit_many(self, requests: list[Submit]) -> list[Future]:
@@ -102,7 +107,7 @@ class EngineBridge:
         with self._lock:
             for request, future in zip(requests, futures):
                 if self.error is not None or self._stopped:
-                    future.set_exception(RuntimeError(f"the engine is not running ({self.error!r})"))
+                    future.set_exception(EngineNotRunning(f"the engine is not running ({self.error!r})"))
                 elif request.request_id in self._futures:
                     future.set_exception(RequestRejected(f"request_id {request.request_id!r} is already in the engine"))
                 else:

@@ -26,7 +26,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from api import models, store
 from api.schemas import BODIES, response_body
 from api.webhooks import publish_deliveries
-from worker.bridge import EngineBridge
+from worker.bridge import EngineBridge, EngineNotRunning
 from worker.engine import LLMEngine, RequestOutput, RequestRejected
 from worker.engine_core import EfficiencyWindow, Submit, freeze_heap
 from worker.metrics import EngineMetrics
@@ -103,19 +103,23 @@ class GpuWorker:
     def run_chunk(self, request_ids: list[int]) -> ChunkOutcome:
         if self.stopping.is_set():
             return ChunkOutcome([], list(request_ids))
+        with self.lock:  # one this worker runs already, sent again after its lease ran out while renewals failed:
+            # the chunk running it stores its result; claimed here, the engine would refuse its id as a duplicate
+            request_ids = [i for i in request_ids if i not in self.in_flight]
         claimed = self._db(lambda s: store.claim(s, request_ids, self.id, self.settings.lease_seconds))
         with self.lock:
             self.in_flight.update(c.id for c in claimed)
         try:
-            results, aborted = self._run(claimed)
+            results, aborted, unrun = self._run(claimed)
             finished = self._db(lambda s: store.write_results(s, results, self.id))
-            released = self._settle_aborted(aborted)
+            released = self._settle_aborted(aborted, unrun)
         finally:
             with self.lock:
                 self.in_flight.difference_update(c.id for c in claimed)
         return ChunkOutcome(finished, released)
 
-    def _run(self, claimed: list[store.Claimed]) -> tuple[list[store.RequestResult], list[int]]:
+    def _run(self, claimed: list[store.Claimed]) -> tuple[list[store.RequestResult], list[int], list[int]]:
+        """Results, the ids aborted in the engine, and those it never took (it had stopped or died)."""
         results, runnable, submits = [], [], []
         for c in claimed:
             try:
@@ -130,17 +134,19 @@ class GpuWorker:
                 continue
             runnable.append(c)
             submits.append(Submit(str(c.id), token_ids, params, c.priority, c.created_at))
-        aborted = []
+        aborted, unrun = [], []
         for c, future in zip(runnable, self.bridge.submit_many(submits)):
             try:
                 out = future.result()
             except RequestRejected as e:
                 results.append(_error(c, e.code, str(e), "body"))
+            except EngineNotRunning:
+                unrun.append(c.id)
             except CancelledError:
                 aborted.append(c.id)
             else:
                 results.append(self._result(c, out))
-        return results, aborted
+        return results, aborted, unrun
 
     def _result(self, c: store.Claimed, out: RequestOutput) -> store.RequestResult:
         m = out.metrics
@@ -151,15 +157,16 @@ class GpuWorker:
                                    queue_seconds=since(m.first_scheduled_time), ttft_seconds=since(m.first_token_time),
                                    e2e_seconds=since(m.finish_time), gpu_seconds=m.gpu_seconds)
 
-    def _settle_aborted(self, aborted: list[int]) -> list[int]:
-        """Aborted because this worker is stopping: give them back; because their batch is cancelling: record it
-        (expired ones already have their error result, and taken-over ones belong to another worker now)."""
-        if not aborted:
-            return []
-        if self.stopping.is_set():
-            return self._db(lambda s: store.release(s, aborted, self.id))
-        self._db(lambda s: store.mark_cancelled(s, aborted, self.id))
-        return []
+    def _settle_aborted(self, aborted: list[int], unrun: list[int]) -> list[int]:
+        """Never run, or aborted because this worker is stopping: give them back (returned: their message is
+        requeued); aborted because their batch is cancelling: record it (expired ones already have their error
+        result, and taken-over ones belong to another worker now). Those running when the engine died are neither:
+        their lease runs out and counts as an attempt, since they may be what killed it."""
+        if self.stopping.is_set() and self.bridge.error is None:
+            unrun, aborted = unrun + aborted, []
+        if aborted:
+            self._db(lambda s: store.mark_cancelled(s, aborted, self.id))
+        return self._db(lambda s: store.release(s, unrun, self.id)) if unrun else []
 
     # --- shutdown
 

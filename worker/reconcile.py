@@ -2,8 +2,9 @@
 the webhook deliveries that are due (new ones, and retries after a failed attempt).
 
 Redis carries messages, not truth. A request lost its message when its worker died (the lease ran out) or when it
-sits queued while its model's queue holds no message at all (Redis restarted or was flushed). Every store call
-below stamps what it returns as published in the same transaction, so concurrent reconcilers never double-send.
+waits (queued, or under a lease that ran out) while its model's queue holds no message at all (Redis restarted or
+was flushed). Every store call below stamps what it returns as published in the same transaction, so concurrent
+reconcilers never double-send.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from api.webhooks import publish_deliveries
 from worker.retry import retry_transient
 
 log = logging.getLogger(__name__)
-STALE_SECONDS = 30.0  # a queued request published this long ago, in an empty queue, has lost its message
+STALE_SECONDS = 30.0  # a waiting request published this long ago, in an empty queue, has lost its message
 
 
 def reconcile_once(sessions: sessionmaker[Session], app: Celery, stale_seconds: float = STALE_SECONDS) -> int:

@@ -32,8 +32,9 @@ def run_chunk(request_ids: list[int]) -> None:
     if worker is None:
         raise Reject("this process has no engine: chunks are run by `sluice worker`", requeue=True)
     outcome = worker.run_chunk(request_ids)
-    if outcome.released:  # stopping: the requests are queued again, and so is their message
-        raise Reject(f"worker stopping: gave back {len(outcome.released)} requests", requeue=True)
+    if outcome.released:  # stopping, or no engine running: the requests are queued again, and so is their message
+        raise Reject(f"worker stopping or its engine not running: gave back {len(outcome.released)} requests",
+                     requeue=True)
 
 
 @app.task(name=RECONCILE)

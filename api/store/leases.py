@@ -31,6 +31,7 @@ from api.store.common import (
     update_requests,
 )
 from api.store.lifecycle import count_and_settle, settle
+from api.store.recovery import MAX_ATTEMPTS
 from api.store.usage import cost
 
 ACCEPTING = ("in_progress", "cancelling")  # batches whose running requests may still finish
@@ -43,8 +44,10 @@ def _of_batch(column):
     return select(column).where(BATCHES.id == REQUESTS.batch_id).scalar_subquery()
 
 
+# a request that already stopped MAX_ATTEMPTS workers is not run again: the reconciler fails it (recovery.py)
+TAKE_OVER = lease_expired(NOW) & (REQUESTS.attempts < MAX_ATTEMPTS)
 CLAIM = (update_requests()
-         .where(by_id(IDS, (REQUESTS.status == "queued") | lease_expired(NOW), batch_in("in_progress")))
+         .where(by_id(IDS, (REQUESTS.status == "queued") | TAKE_OVER, batch_in("in_progress")))
          .values(status="running", attempts=REQUESTS.attempts + 1, lease_owner=OWNER, lease_expires_at=EXPIRES)
          .returning(REQUESTS.id, REQUESTS.batch_id, REQUESTS.custom_id, REQUESTS.line, REQUESTS.url, REQUESTS.body,
                     REQUESTS.attempts, REQUESTS.created_at, _of_batch(BATCHES.model), _of_batch(BATCHES.priority)))
@@ -98,7 +101,8 @@ class RequestResult:
 
 def claim(session: Session, request_ids: list[int], worker_id: str, lease_seconds: float) -> list[Claimed]:
     """Take the requests that are queued, or running under an expired lease, in in_progress batches; the rest
-    (finished, cancelled, or held by a live worker) are skipped. Commit before running them."""
+    (finished, cancelled, held by a live worker, or that stopped MAX_ATTEMPTS workers) are skipped. Commit before
+    running them."""
     now = time.time()
     rows = session.execute(CLAIM, {"ids": list(request_ids), "now": now, "owner": worker_id,
                                    "expires": now + lease_seconds}).all()
@@ -117,10 +121,12 @@ def renew_leases(session: Session, request_ids: list[int], worker_id: str, lease
 
 def release(session: Session, request_ids: list[int], worker_id: str) -> list[int]:
     """Give back requests the worker will not finish (graceful shutdown): running -> queued, or cancelled in a
-    cancelling batch. Their message is still the one the worker holds: requeue it rather than ack it."""
+    cancelling batch. Their message is still the one the worker holds: requeue it rather than ack it. The claim's
+    attempt is given back too: MAX_ATTEMPTS counts workers that died running a request, not restarts."""
     lock_batches_of(session, request_ids)
     queued = session.scalars(_running_under(request_ids, worker_id, "in_progress")
-                             .values(status="queued", lease_owner=None, lease_expires_at=None)
+                             .values(status="queued", attempts=REQUESTS.attempts - 1, lease_owner=None,
+                                     lease_expires_at=None)
                              .returning(REQUESTS.id)).all()
     return sorted([*queued, *_cancel_running(session, request_ids, worker_id)])
 

@@ -1,8 +1,9 @@
 """Reconciliation: Redis carries messages, not truth, so requests that lost theirs are found here and sent again.
 
 A request has lost its message when its worker died (its lease ran out and no message went out since) or when it has
-sat queued since a publish long ago (Redis restarted or flushed). Each query marks what it returns as published now,
-in the same UPDATE, so two reconcilers never send the same request twice; publish the returned work after commit.
+waited, queued or under a lease that ran out, since a publish long ago (Redis restarted or flushed). Each query marks
+what it returns as published now, in the same UPDATE, so two reconcilers never send the same request twice; publish
+the returned work after commit.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 
-from sqlalchemy import Row, select, update
+from sqlalchemy import Row, or_, select, update
 from sqlalchemy.orm import Session
 
 from api.models import Batch, Request, Result
@@ -56,25 +57,32 @@ def _fail_exhausted(session: Session, now: float) -> None:
 
 
 def republish_stale(session: Session, older_than: float, models: list[str] | None = None) -> list[Work]:
-    """Queued requests of in_progress batches (of `models`, if given) last published more than `older_than` seconds
-    ago. Give only models whose queue is empty (or choose `older_than` above the longest time a message can wait):
-    a request still waiting behind a long queue gets a second message, which is harmless (claims skip it) but
-    wasted."""
+    """Waiting requests of in_progress batches (of `models`, if given) last published more than `older_than` seconds
+    ago: queued ones, and running ones whose lease ran out (recover_expired_leases sent them once; that message can
+    be lost too, or taken by a task that failed before its claim committed). Give only models whose queue is empty
+    (or choose `older_than` above the longest time a message can wait): a request still waiting behind a long queue
+    gets a second message, which is harmless (claims skip it) but wasted."""
     now = time.time()
     batches = select(Batch.id).where(Batch.status == "in_progress")
     if models is not None:
         batches = batches.where(Batch.model.in_(models))
     rows = session.execute(update(Request)
-                           .where(Request.status == "queued", Request.published_at < now - older_than,
+                           .where(_waiting(now), Request.published_at < now - older_than,
                                   Request.batch_id.in_(batches))
                            .values(published_at=now).returning(Request.id, Request.batch_id)).all()
     return _work(session, rows)
 
 
 def models_with_queued_requests(session: Session) -> list[str]:
+    """Models of in_progress batches with waiting requests (queued, or running under a lease that ran out)."""
     return sorted(session.scalars(select(Batch.model).distinct()
                                   .where(Batch.status == "in_progress", Batch.id.in_(
-                                      select(Request.batch_id).where(Request.status == "queued")))))
+                                      select(Request.batch_id).where(_waiting(time.time()))))))
+
+
+def _waiting(now: float):
+    """Requests that wait for a worker to take them: queued, or running under a lease that ran out."""
+    return or_(Request.status == "queued", lease_expired(now))
 
 
 def _work(session: Session, rows: list[Row]) -> list[Work]:

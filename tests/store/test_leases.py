@@ -88,6 +88,16 @@ def test_an_expired_lease_is_taken_over(sessions):
     assert write(sessions, [ok(work.request_ids[0])], "alive") == work.request_ids
 
 
+def test_a_request_that_stopped_max_attempts_workers_is_not_claimed_again(sessions):
+    from api.store.recovery import MAX_ATTEMPTS
+
+    _, work = submit(sessions, [chat("poison")])
+    for attempt in range(1, MAX_ATTEMPTS + 1):
+        assert [r.attempts for r in claim(sessions, work.request_ids, f"victim-{attempt}", lease=-1)] == [attempt]
+    # a late message must not have it kill a fourth worker: the reconciler fails it instead
+    assert claim(sessions, work.request_ids, "next") == []
+
+
 def test_writing_the_same_results_twice_changes_nothing(sessions):
     endpoint(sessions)
     batch, work = submit(sessions, [chat("a"), chat("b"), chat("c", max_tokens=0)])

@@ -158,6 +158,37 @@ def test_a_request_that_keeps_killing_workers_fails_after_max_attempts(sessions)
     assert f"stopped {MAX_ATTEMPTS} times" in errors[0]["error"]["message"]
 
 
+def test_restarts_that_gave_a_request_back_are_not_counted_as_attempts(sessions):
+    from api.store.recovery import MAX_ATTEMPTS
+
+    batch, work = submit(sessions, [chat("a")])
+    for restart in range(MAX_ATTEMPTS + 1):  # rolling restarts: each worker gave it back at its SIGTERM
+        assert [r.attempts for r in claim(sessions, work.request_ids, f"restarted-{restart}")] == [1]
+        with sessions.begin() as session:
+            assert store.release(session, work.request_ids, f"restarted-{restart}") == work.request_ids
+    claim_and_die(sessions, work.request_ids, "crashed")  # then one real crash
+    with sessions.begin() as session:
+        assert store.recover_expired_leases(session) == [store.Work("tiny", 5, work.request_ids)]
+    assert statuses(sessions, batch.id) == {work.request_ids[0]: "running"}
+
+
+def test_a_recovered_request_whose_message_is_lost_too_is_sent_again(sessions):
+    batch, work = submit(sessions, [chat("a"), chat("b")])
+    a, b = work.request_ids
+    claim(sessions, [b], "alive")
+    claim_and_die(sessions, [a], "dead")
+    with sessions.begin() as session:
+        assert store.recover_expired_leases(session) == [store.Work("tiny", 5, [a])]
+    # that message is lost too (Redis flushed): a still waits for a worker, and goes again once its message is stale
+    with sessions.begin() as session:
+        assert store.models_with_queued_requests(session) == ["tiny"]
+        assert store.republish_stale(session, older_than=60) == []
+        session.execute(update(Request).values(published_at=Request.published_at - 120))
+    with sessions.begin() as session:
+        assert store.republish_stale(session, older_than=60) == [store.Work("tiny", 5, [a])]
+        assert store.republish_stale(session, older_than=60) == []
+
+
 def test_reconcile_republishes_requests_queued_too_long(sessions):
     batch, work = submit(sessions, [chat("a"), chat("b")])
     a, b = work.request_ids

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import signal
 import time
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 
 import httpx
 import pytest
@@ -12,7 +14,8 @@ from sqlalchemy import func, select, text
 
 from api import store
 from api.models import EfficiencyWindow, Request, Result
-from worker.engine import LLM, SamplingParams
+from worker.engine import LLM, LLMEngine, SamplingParams
+from worker.gpu_worker import ChunkOutcome, GpuWorker, WorkerSettings
 
 PROMPTS = [f"Request number {i}: {'beautiful is better than ugly ' * (i % 5)}" for i in range(24)]
 
@@ -30,6 +33,18 @@ def completion(i: int, max_tokens: int, **body) -> dict:
 
 def long_batch(n: int = 24, max_tokens: int = 1200) -> list[dict]:
     return [completion(i, max_tokens, ignore_eos=True) for i in range(n)]
+
+
+def engine_worker(cluster, name: str = "tiny", **settings) -> GpuWorker:
+    """A GPU worker in the test's own process, not started, on the tiny model; no Celery consumes for it."""
+    settings = WorkerSettings(name, str(cluster.model_dir), cpu_pinning=False, engine_threads=1, **settings)
+    return GpuWorker(partial(LLMEngine, str(cluster.model_dir), num_kv_blocks=256), settings, cluster.sessions,
+                     cluster.app)
+
+
+def request_ids(cluster, batch_id: str) -> list[int]:
+    with cluster.sessions.begin() as s:
+        return s.scalars(select(Request.id).where(Request.batch_id == batch_id).order_by(Request.id)).all()
 
 
 def exactly_one_result_each(cluster, batch_id: str) -> None:
@@ -235,15 +250,9 @@ def test_the_worker_rides_out_its_database_connections_being_killed(cluster):
 def test_a_worker_is_live_only_once_celery_consumes_its_queue(cluster):
     """Built but not consuming, a worker would take no message: it must not count as serving its model (a batch
     would say no worker is waiting when none takes its work, and a test or a bench starting on it races)."""
-    from functools import partial
-
     from api.models import Worker
-    from worker.engine import LLMEngine
-    from worker.gpu_worker import GpuWorker, WorkerSettings
 
-    settings = WorkerSettings("starting-model", str(cluster.model_dir), cpu_pinning=False, engine_threads=1)
-    worker = GpuWorker(partial(LLMEngine, str(cluster.model_dir), num_kv_blocks=16), settings, cluster.sessions,
-                       cluster.app)
+    worker = engine_worker(cluster, "starting-model")
 
     def row() -> tuple[str, list[str]]:
         with cluster.sessions.begin() as s:
@@ -257,3 +266,53 @@ def test_a_worker_is_live_only_once_celery_consumes_its_queue(cluster):
     finally:
         worker.close()
     assert row() == ("stopped", [])
+
+
+def test_a_request_sent_again_to_the_worker_still_running_it_keeps_its_real_result(cluster, monkeypatch):
+    """Renewals failing for longer than the lease (a database outage) let it run out, and the reconciler sends the
+    request again; in a one-worker deployment this same worker takes the message. The chunk running it must store its
+    result: claimed a second time, the engine refused the duplicate id and that refusal was stored instead."""
+    worker = engine_worker(cluster, lease_seconds=0.5, reconcile_seconds=600)
+    monkeypatch.setattr(worker, "_renew_leases", lambda: None)  # the outage, for renewals
+    batch_id = cluster.submit([completion(0, 1500, ignore_eos=True)])
+    ids = request_ids(cluster, batch_id)
+    worker.start()
+    try:
+        first = ThreadPoolExecutor(1).submit(worker.run_chunk, ids)
+        time.sleep(1)
+        with cluster.sessions.begin() as s:  # the lease ran out: a reconciler sends the request again
+            assert s.scalar(select(Request.lease_expires_at)) < time.time()
+        assert worker.run_chunk(ids) == ChunkOutcome([], [])
+        assert not first.done(), "the request finished before its second message: make it longer"
+        assert first.result(timeout=120) == ChunkOutcome(ids, [])
+    finally:
+        worker.close()
+    (row,) = cluster.result_rows(batch_id)
+    assert row.error is None and row.completion_tokens == 1500
+
+
+def test_a_chunk_claimed_after_the_engine_stopped_is_given_back(cluster):
+    """The engine stopped or died between the task's check and its submit: the requests never ran, so they are
+    queued again without using an attempt, and the message goes back to the queue."""
+    from celery.exceptions import Reject
+
+    from worker import tasks
+    from worker.gpu_worker import install
+
+    worker = engine_worker(cluster, reconcile_seconds=600)
+    batch_id = cluster.submit([completion(i, 4) for i in range(2)])
+    ids = request_ids(cluster, batch_id)
+    worker.start()
+    install(worker)
+    try:
+        worker.bridge.stop(timeout=30)
+        with pytest.raises(Reject) as rejected:
+            tasks.run_chunk(ids)
+        assert rejected.value.requeue
+    finally:
+        install(None)
+        worker.close()
+    with cluster.sessions.begin() as s:
+        rows = s.execute(select(Request.status, Request.attempts, Request.lease_owner)
+                         .where(Request.batch_id == batch_id)).all()
+    assert rows == [("queued", 0, None)] * 2
