@@ -6,17 +6,25 @@ results as they finish, cancel, and run a prompt template over many documents.
     for result in client.results(batch["id"]):   # output and error lines, as each request finishes
         ...
 
-Answers 429 and 5xx, and connections that fail, are retried with exponential backoff (honouring Retry-After); any
-other error raises SluiceError carrying the server's message, param and code.
+Idempotent calls (GET, DELETE) are retried with exponential backoff after a 429 or 5xx answer and after a connection
+that fails. A POST (upload, create, cancel) is retried only where the server cannot have acted on it: a 429 or 503
+answer (refused before any work), or a connection never made (ConnectError, ConnectTimeout, PoolTimeout: nothing was
+sent). After a timeout or another 5xx the server may have done the work (created the batch) all the same, so the
+POST is not sent again: it raises SluiceError saying so, and the caller checks before trying again. Retry-After (in
+seconds, decimals too, or an HTTP date) is honoured, up to MAX_WAIT. Any other error raises SluiceError carrying the
+server's message, param and code.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import random
 import sys
 import time
 from collections.abc import Iterator
+from datetime import timezone
+from email.utils import parsedate_to_datetime
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +34,10 @@ from tqdm import tqdm
 CHAT_URL, COMPLETIONS_URL = "/v1/chat/completions", "/v1/completions"
 TERMINAL = ("completed", "failed", "expired", "cancelled")
 PAGE = 1000
+MAX_WAIT = 60.0  # the longest wait between tries: a Retry-After of a day should not hang the caller for one
+IDEMPOTENT = ("GET", "HEAD", "OPTIONS", "PUT", "DELETE")  # RFC 9110: sending these twice does no more than once
+NOT_SENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)  # raised before any byte left the client
+REFUSED = (429, 503)  # the server turned the request away before doing any of its work
 
 
 class SluiceError(Exception):
@@ -46,11 +58,11 @@ class SluiceError(Exception):
 
 class Client:
     def __init__(self, base_url: str, api_key: str, *, timeout: float = 60.0, max_retries: int = 5,
-                 backoff: float = 0.5, poll_interval: float = 2.0):
+                 backoff: float = 0.5, poll_interval: float = 2.0, transport: httpx.BaseTransport | None = None):
         """`base_url` is the server's address, with or without the /v1 that the openai SDK's base_url ends with."""
         root = base_url.rstrip("/").removesuffix("/v1")
         self.http = httpx.Client(base_url=root + "/v1", headers={"Authorization": f"Bearer {api_key}"},
-                                 timeout=timeout)
+                                 timeout=timeout, transport=transport)
         self.max_retries, self.backoff, self.poll_interval = max_retries, backoff, poll_interval
 
     def __enter__(self) -> Client:
@@ -68,7 +80,8 @@ class Client:
     def submit(self, requests: list[dict] | str | Path, *, endpoint: str | None = None,
                metadata: dict[str, str] | None = None, completion_window: str = "24h") -> dict:
         """Create a batch from request bodies (custom_id "0", "1", ... in list order; chat if they have messages,
-        else completions) or from a JSONL file of batch lines (endpoint: its first line's url). Returns the batch."""
+        else completions) or from a JSONL file of batch lines (endpoint: its first line's url). Returns the batch.
+        A create that timed out or failed with a 5xx is not sent again (it may have made the batch): it raises."""
         if isinstance(requests, str | Path):
             data, filename = Path(requests).read_bytes(), Path(requests).name
             endpoint = endpoint or _first_url(data)
@@ -155,22 +168,30 @@ class Client:
             after = page["last_line"]
 
     def _request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        """Send, retrying as the module docstring says: a call that may have taken effect is retried only if
+        sending it again does no harm (an idempotent method)."""
         for attempt in range(self.max_retries + 1):
             try:
                 response = self.http.request(method, path, **kwargs)
             except httpx.TransportError as e:
-                failure, retry_after = SluiceError(None, f"{method} {path}: {type(e).__name__}: {e}"), None
+                failure, wait = SluiceError(None, f"{method} {path}: {type(e).__name__}: {e}"), None
+                retry = method in IDEMPOTENT or isinstance(e, NOT_SENT)
             else:
                 if response.status_code < 400:
                     return response
-                failure = SluiceError.from_response(response)
-                if response.status_code != 429 and response.status_code < 500:
+                failure, wait = SluiceError.from_response(response), _retry_after(response.headers.get("retry-after"))
+                if response.status_code not in REFUSED and response.status_code < 500:
                     raise failure
-                retry_after = response.headers.get("retry-after")
+                retry = method in IDEMPOTENT or response.status_code in REFUSED
+            if not retry:
+                raise _maybe_done(failure, method, path)
             if attempt < self.max_retries:
-                delay = self.backoff * 2 ** attempt * random.uniform(0.5, 1.5)
-                time.sleep(float(retry_after) if retry_after and retry_after.isdigit() else delay)
+                time.sleep(self._backoff(attempt) if wait is None else wait)
         raise failure
+
+    def _backoff(self, attempt: int) -> float:
+        """Exponential, with jitter so that clients refused together do not come back together; capped at MAX_WAIT."""
+        return min(self.backoff * 2 ** attempt * random.uniform(0.5, 1.5), MAX_WAIT)
 
 
 def text_of(result: dict) -> str | None:
@@ -179,6 +200,28 @@ def text_of(result: dict) -> str | None:
         return None
     choice = result["response"]["body"]["choices"][0]
     return choice["message"]["content"] if "message" in choice else choice["text"]
+
+
+def _maybe_done(failure: SluiceError, method: str, path: str) -> SluiceError:
+    """A failed call that the server may have carried out all the same: saying so, as it is not sent again."""
+    return SluiceError(failure.status, f"{failure.message}; {method} {path} was not retried, as the server may have "
+                       "acted on it: check (e.g. GET) before sending it again", failure.param, failure.code)
+
+
+def _retry_after(value: str | None) -> float | None:
+    """The seconds a Retry-After header asks to wait (delay-seconds, decimals too, or an HTTP date), capped at
+    MAX_WAIT; None when there is none or it cannot be read, so the backoff applies."""
+    if not value:
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        try:
+            when = parsedate_to_datetime(value)
+        except (TypeError, ValueError, IndexError):
+            return None
+        seconds = (when if when.tzinfo else when.replace(tzinfo=timezone.utc)).timestamp() - time.time()
+    return min(max(seconds, 0.0), MAX_WAIT) if math.isfinite(seconds) else None
 
 
 def _jsonl(bodies: dict[str, dict], endpoint: str) -> bytes:

@@ -1,18 +1,23 @@
 """api.client against the live server, with requests finished through the store by a helper thread (as a worker
-would), and against a tiny server that fails before it answers."""
+would), against a tiny server that fails before it answers, and (for its retry decisions) against an httpx
+MockTransport that fails after doing the work."""
 
 from __future__ import annotations
 
 import json
 import threading
 import time
+from email.utils import formatdate
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from types import SimpleNamespace
 
+import httpx
 import pytest
 from api_helpers import chat, finish, jsonl
 from sqlalchemy import select, update
 
-from api.client import Client, SluiceError, text_of
+import api.client
+from api.client import MAX_WAIT, Client, SluiceError, text_of
 from api.models import Request, Result
 
 
@@ -168,3 +173,69 @@ def test_retries_429_and_5xx_then_gives_up_with_the_message():
             assert flaky.calls == 1  # a 4xx other than 429 is not retried
     finally:
         flaky.close()
+
+
+def failing(failure: type[httpx.TransportError] | int, request: httpx.Request) -> httpx.Response:
+    """An answer of status `failure`, or its exception raised as the client would see it."""
+    if isinstance(failure, int):
+        return httpx.Response(failure, json={"error": {"message": f"failed ({failure})", "code": "busy"}})
+    raise failure(f"{failure.__name__} on the way", request=request)
+
+
+def mock_client(answer, **kwargs: object) -> tuple[Client, list[str]]:
+    """A client whose requests `answer(request)` handles, and the "METHOD path" of each request it was sent."""
+    sent = []
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        sent.append(f"{request.method} {request.url.path}")
+        return answer(request)
+    return Client("http://sluice.test", "key", backoff=0.001, transport=httpx.MockTransport(handle), **kwargs), sent
+
+
+@pytest.mark.parametrize("failure", [httpx.ReadTimeout, httpx.WriteTimeout, httpx.RemoteProtocolError, 500, 502])
+def test_a_post_is_retried_until_the_server_may_have_acted_on_it(failure):
+    created = []
+    before = [httpx.ConnectError, httpx.ConnectTimeout, 429, 503]  # never sent, or refused before any work
+
+    def answer(request):
+        if request.url.path == "/v1/files":
+            return httpx.Response(200, json={"id": "file_x"})
+        if request.method == "POST" and before:
+            return failing(before.pop(0), request)
+        created.append(request.url.path)  # the work is done; the client does not hear of it
+        return failing(failure, request)
+    client, sent = mock_client(answer)
+    with pytest.raises(SluiceError) as failed:
+        client.submit([chat("a")["body"]])
+    assert sent == ["POST /v1/files"] + ["POST /v1/batches"] * 5 and created == ["/v1/batches"]
+    assert "POST /batches was not retried, as the server may have acted on it" in str(failed.value)
+    sent.clear()
+    with pytest.raises(SluiceError) as failed:
+        client.batch("batch_x")  # a GET that fails the same way is retried: reading twice does no harm
+    assert sent == ["GET /v1/batches/batch_x"] * 6 and "not retried" not in str(failed.value)
+
+
+def test_map_documents_does_not_create_its_batch_twice():
+    def answer(request):
+        if request.url.path == "/v1/files":
+            return httpx.Response(200, json={"id": "file_x"})
+        return failing(httpx.ReadTimeout, request)
+    client, sent = mock_client(answer)
+    with pytest.raises(SluiceError, match="not retried"):
+        client.map_documents("{text}", {"doc": "text"}, model="tiny", progress=False)
+    assert sent == ["POST /v1/files", "POST /v1/batches"]
+
+
+def test_retry_after_in_seconds_decimals_or_a_date_is_honoured_up_to_a_cap(monkeypatch):
+    waits = []
+    monkeypatch.setattr(api.client, "time", SimpleNamespace(sleep=waits.append, time=time.time))
+    headers = ["3", "1.5", formatdate(time.time() + 8, usegmt=True), "86400", "soon", "-5"]
+
+    def answer(request):
+        if headers:
+            return httpx.Response(503, headers={"retry-after": headers.pop(0)}, json={"error": {"message": "busy"}})
+        return httpx.Response(200, json={"id": "batch_x"})
+    client, _ = mock_client(answer, max_retries=6)
+    assert client.batch("batch_x") == {"id": "batch_x"}
+    assert waits[:2] == [3.0, 1.5] and 6 < waits[2] <= 8 and waits[3] == MAX_WAIT == 60
+    assert 0 < waits[4] < 1 and waits[5] == 0  # an unreadable header falls back to the backoff; a past one waits 0
