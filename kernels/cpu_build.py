@@ -3,9 +3,12 @@ CPU under ~/.cache/torch_extensions; None, with a warning logged once, where it 
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import logging
 import platform
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import cache
 from pathlib import Path
 
@@ -25,18 +28,41 @@ def _cpu_signature() -> str:
     return cpu + platform.machine() + platform.processor()
 
 
-@cache
-def build(source: str, extra_flags: tuple[str, ...] = ()):
-    """The compiled module of csrc/`source`, or None where it cannot be built (no compiler, not Linux/x86/ARM)."""
-    from torch.utils.cpp_extension import load
-
+def extension_name(source: str, extra_flags: tuple[str, ...] = ()) -> str:
+    """The build's name: one per source, headers, flags and CPU."""
     path = CSRC / source
     flags = [*FLAGS, *extra_flags]
     headers = b"".join(h.read_bytes() for h in sorted(CSRC.glob("*.h")))  # what the sources include
     digest = hashlib.sha256(path.read_bytes() + headers + " ".join(flags).encode() + _cpu_signature().encode())
+    return f"sluice_{path.stem}_{digest.hexdigest()[:12]}"
+
+
+@contextmanager
+def _exclusive(build_dir: Path) -> Iterator[None]:
+    """Serialises sluice's builds in build_dir across processes. torch's own lock is a file (`lock`) that a build
+    killed midway leaves behind, and every later load then waits on it forever; a flock dies with its holder, so
+    while it is held no sluice process is building and a leftover `lock` is stale."""
+    with open(build_dir / "sluice.flock", "a") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("waiting for another process's build in %s", build_dir)
+            fcntl.flock(f, fcntl.LOCK_EX)
+        (build_dir / "lock").unlink(missing_ok=True)
+        yield  # closing f releases the flock
+
+
+@cache
+def build(source: str, extra_flags: tuple[str, ...] = ()):
+    """The compiled module of csrc/`source`, or None where it cannot be built (no compiler, not Linux/x86/ARM)."""
+    from torch.utils.cpp_extension import _get_build_directory, load
+
+    name = extension_name(source, extra_flags)
     try:
-        return load(f"sluice_{path.stem}_{digest.hexdigest()[:12]}", [str(path)], extra_cflags=flags,
-                    extra_ldflags=["-fopenmp"])
+        build_dir = Path(_get_build_directory(name, verbose=False))  # TORCH_EXTENSIONS_DIR or torch's default
+        with _exclusive(build_dir):
+            return load(name, [str(CSRC / source)], extra_cflags=[*FLAGS, *extra_flags], extra_ldflags=["-fopenmp"],
+                        build_directory=str(build_dir))
     except Exception as e:  # a C++ toolchain is optional: the callers fall back to PyTorch ops
         log.warning("the C++ CPU kernels of %s could not be built (%s); using PyTorch ops instead", source, e)
         return None

@@ -244,12 +244,46 @@ def test_demo_model_runs_on_a_fresh_machine(tmp_path, monkeypatch):
     ("output is input", ["run", "{tmp}/in.jsonl", "-o", "{tmp}/in.jsonl", "--model", "demo"], "is the input file"),
     ("bad dtype", ["run", "{tmp}/in.jsonl", "-o", "{tmp}/o.jsonl", "--model", "{llama}", "--dtype", "int3"],
      "dtype must be"),
+    ("output is a directory", ["run", "{tmp}/in.jsonl", "-o", "{tmp}", "--model", "demo"], "is a directory"),
+    ("errors is a directory", ["run", "{tmp}/in.jsonl", "-o", "{tmp}/o.jsonl", "--errors", "{tmp}", "--model", "demo"],
+     "is a directory"),
+    ("config value of the wrong type", ["run", "{tmp}/in.jsonl", "-o", "{tmp}/o.jsonl", "--model", "{tmp}/m"],
+     "/m: config.json: Validation error for field 'hidden_size'"),
 ])
 def test_usage_errors_exit_2_with_a_message(tmp_path, llama_dir, capsys, problem, args, message):
     write_jsonl(tmp_path / "in.jsonl", [completion("a")])
+    (tmp_path / "m").mkdir()
+    config = json.loads((llama_dir / "config.json").read_text())
+    (tmp_path / "m" / "config.json").write_text(json.dumps({**config, "hidden_size": "abc"}))
     code = main([a.format(tmp=tmp_path, llama=llama_dir) for a in args])
     err = capsys.readouterr().err
     assert code == 2 and message in err and "Traceback" not in err, problem
+
+
+def test_an_unwritable_output_is_refused_before_the_model_loads(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr("worker.cli.os.access", lambda path, mode: False)  # as root, chmod would not do
+    monkeypatch.setattr(LLMEngine, "__init__", lambda *a, **kw: pytest.fail("the model was loaded"))
+    code = main(["run", str(write_jsonl(tmp_path / "in.jsonl", [completion("a")])), "-o", str(tmp_path / "o.jsonl"),
+                 "--model", "demo"])
+    assert code == 2 and capsys.readouterr().err == f"sluice run: {tmp_path / 'o.jsonl'}: Permission denied\n"
+
+
+def test_ctrl_c_while_the_model_loads_exits_130_quietly(tmp_path, capsys, monkeypatch):
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(LLMEngine, "__init__", interrupted)
+    code = main(["run", str(write_jsonl(tmp_path / "in.jsonl", [completion("a")])), "-o", str(tmp_path / "o.jsonl"),
+                 "--model", "demo"])
+    assert code == 130 and capsys.readouterr().err == "\nsluice run: interrupted\n"
+
+
+def test_a_full_disk_mid_run_is_one_line_and_keeps_the_results(tmp_path, llama_dir, capsys):
+    source = write_jsonl(tmp_path / "in.jsonl", [completion("a", max_tokens=2), "{oops"])
+    out = tmp_path / "out.jsonl"
+    code = main(["run", str(source), "-o", str(out), "--errors", "/dev/full", "--model", str(llama_dir)])
+    err = capsys.readouterr().err
+    assert code == 2 and "sluice run: /dev/full: No space left on device; finished results are in" in err
+    assert "Traceback" not in err and finished_ids(out) <= {"a"}
 
 
 def test_installed_console_script(tmp_path, llama_dir):

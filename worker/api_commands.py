@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from worker.cli import UsageError, database
+from worker.cli import UsageError, database, port
 
 
 def add_api_parser(commands) -> None:
@@ -16,7 +16,7 @@ def add_api_parser(commands) -> None:
                     "models accepted before their workers are up: SLUICE_MODELS (comma-separated); /metrics token: "
                     "SLUICE_METRICS_TOKEN.")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    parser.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
+    parser.add_argument("--port", type=port, default=8000, help="port to listen on (default 8000)")
     parser.set_defaults(handler=api_command)
 
 

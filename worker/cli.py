@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -24,10 +25,51 @@ class UsageError(Exception):
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return args.handler(args)
+        code = args.handler(args)
+        sys.stdout.flush()  # here, where a closed pipe is caught, not at exit
+        return code
     except UsageError as e:
         print(f"sluice {args.command}: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # e.g. while the model loads; `sluice run` reports one mid-run itself
+        print(f"\nsluice {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # stdout's reader has gone (`| head`): stop quietly, as other commands do
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the flush at exit raises nothing
+        return 1
+
+
+def port(text: str) -> int:
+    """argparse type of a TCP port."""
+    value = int(text)
+    if not 1 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"{value} is not a port (1-65535)")
+    return value
+
+
+def os_problem(path: Path, e: OSError) -> UsageError:
+    """An OSError as one line naming the path: 'out.jsonl: Permission denied'."""
+    return UsageError(f"{path}: {e.strerror or e}")
+
+
+def check_readable(path: Path) -> None:
+    if not path.is_file():
+        raise UsageError(f"input file {path} not found")
+    try:
+        path.open("rb").close()
+    except OSError as e:
+        raise os_problem(path, e) from None
+
+
+def check_writable(path: Path) -> None:
+    """Refuses, before any work, a path that cannot be written: a directory, or in one that is missing or
+    read-only."""
+    if path.is_dir():
+        raise UsageError(f"{path} is a directory")
+    if not path.parent.is_dir():
+        raise UsageError(f"directory {path.parent} not found")
+    if not os.access(path if path.exists() else path.parent, os.W_OK):
+        raise UsageError(f"{path}: Permission denied")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -78,6 +120,17 @@ def load_engine(args: argparse.Namespace) -> LLMEngine:
         return LLMEngine(args.model, **kwargs)
     except (ValueError, OSError) as e:
         raise UsageError(f"cannot load model {args.model}: {e}") from None
+    except (TypeError, *_config_errors()) as e:  # a config.json value of the wrong type, as transformers reads it
+        problem = " ".join(str(e).split())
+        raise UsageError(f"--model {args.model}: config.json: {problem}") from None
+
+
+def _config_errors() -> tuple[type[Exception], ...]:
+    try:  # huggingface_hub >= 1.0 validates transformers' configs with its strict dataclasses
+        from huggingface_hub.errors import StrictDataclassError
+    except ImportError:
+        return ()
+    return (StrictDataclassError,)
 
 
 def served_model_name(args: argparse.Namespace) -> str:
@@ -107,28 +160,30 @@ def default_errors_path(output: Path) -> Path:
 
 def run_command(args: argparse.Namespace) -> int:
     errors = args.errors or default_errors_path(args.output)
-    if not args.input.is_file():
-        raise UsageError(f"input file {args.input} not found")
+    check_readable(args.input)
     for path in (args.output, errors):
-        if not path.parent.is_dir():
-            raise UsageError(f"directory {path.parent} not found")
         if path.resolve() == args.input.resolve():
             raise UsageError(f"{path} is the input file")
+        check_writable(path)  # before the model loads, which takes a while
     if args.output.resolve() == errors.resolve():
         raise UsageError("the output and error files must differ")
-    from worker.run import ResumeError, finished_ids, run_batch
+    from worker.run import ResumeError, RunIOError, finished_ids, run_batch
 
     try:
         done = finished_ids(args.output)
     except ResumeError as e:
         raise UsageError(str(e)) from None
+    except OSError as e:
+        raise os_problem(args.output, e) from None
     engine = load_engine(args)
+    resume = f"finished results are in {args.output}, rerun the same command to resume"
     try:
         summary = run_batch(args.input, args.output, errors, engine, served_model_name(args), done)
     except KeyboardInterrupt:
-        print(f"\nsluice run: interrupted; finished results are in {args.output}, rerun the same command to resume",
-              file=sys.stderr)
+        print(f"\nsluice run: interrupted; {resume}", file=sys.stderr)
         return 130
+    except RunIOError as e:
+        raise UsageError(f"{e}; {resume}") from None
     print(f"sluice run: {summary.succeeded} succeeded, {summary.failed} failed"
           + (f" (see {errors})" if summary.failed else "")
           + (f", {summary.skipped} already in {args.output}" if summary.skipped else ""), file=sys.stderr)
@@ -139,6 +194,18 @@ def run_command(args: argparse.Namespace) -> int:
 # (SLUICE_BROKER_URL); they import api/ only, never the engine.
 
 
+def make_db_engine(**kwargs):
+    """db.make_engine, with a malformed SLUICE_DATABASE_URL reported in one line."""
+    from sqlalchemy.exc import SQLAlchemyError
+
+    from api import db
+
+    try:
+        return db.make_engine(**kwargs)
+    except (SQLAlchemyError, ValueError, OSError) as e:
+        raise UsageError(f"SLUICE_DATABASE_URL {db.database_url()!r}: {e}") from None
+
+
 @contextmanager
 def database() -> Iterator:
     """A transaction on SLUICE_DATABASE_URL; a database that is down or not migrated is reported in one line."""
@@ -146,7 +213,7 @@ def database() -> Iterator:
 
     from api import db
 
-    engine = db.make_engine()
+    engine = make_db_engine()
     try:
         with db.session_factory(engine).begin() as session:
             yield session
@@ -170,7 +237,7 @@ def db_upgrade_command(args: argparse.Namespace) -> int:
 
     from api import db
 
-    engine = db.make_engine()
+    engine = make_db_engine()
     try:
         db.upgrade(engine)
     except SQLAlchemyError as e:
@@ -197,8 +264,11 @@ def add_submit_parser(commands) -> None:
 
 
 def submit_command(args: argparse.Namespace) -> int:
-    if not args.input.is_file():
-        raise UsageError(f"input file {args.input} not found")
+    check_readable(args.input)
+    try:
+        data = args.input.read_bytes()
+    except OSError as e:
+        raise os_problem(args.input, e) from None
     from kombu.exceptions import OperationalError
 
     from api import queue, store
@@ -206,8 +276,8 @@ def submit_command(args: argparse.Namespace) -> int:
     priority = store.DEFAULT_PRIORITY if args.priority is None else args.priority
     try:
         with database() as session:
-            batch, work = store.submit_jsonl(session, args.tenant or store.DEFAULT_TENANT, args.input.name,
-                                             args.input.read_bytes(), model=args.model,
+            batch, work = store.submit_jsonl(session, args.tenant or store.DEFAULT_TENANT, args.input.name, data,
+                                             model=args.model,
                                              completion_window=args.completion_window, priority=priority)
             waiting = work is not None and not store.live_workers(session, work.model)
     except store.StoreError as e:
@@ -269,8 +339,7 @@ def add_results_parser(commands) -> None:
 def results_command(args: argparse.Namespace) -> int:
     errors = args.errors or default_errors_path(args.output)
     for path in (args.output, errors):
-        if not path.parent.is_dir():
-            raise UsageError(f"directory {path.parent} not found")
+        check_writable(path)
     if args.output.resolve() == errors.resolve():
         raise UsageError("the output and error files must differ")
     from api import store
@@ -280,17 +349,39 @@ def results_command(args: argparse.Namespace) -> int:
             batch = store.get_batch(session, args.batch_id)
         except store.NotFound as e:
             raise UsageError(str(e)) from None
-        written = [_write_jsonl(args.output, store.output_lines(session, batch.id)),
-                   _write_jsonl(errors, store.error_lines(session, batch.id))]
+        written = write_files([(args.output, store.output_lines(session, batch.id)),
+                               (errors, store.error_lines(session, batch.id))])
     print(f"sluice results: {written[0]} output lines in {args.output}, {written[1]} error lines in {errors}; "
           f"the batch is {batch.status}", file=sys.stderr)
     return 0
 
 
-def _write_jsonl(path: Path, records) -> int:
+def write_files(files: list[tuple[Path, Iterable[dict]]]) -> list[int]:
+    """Writes each JSONL file beside its path and moves them all into place only once every one is complete, so a
+    failure midway (disk full, a file size limit) leaves the previous files whole. Returns the line counts."""
+    temps = [path.with_name(f".{path.name}.{os.getpid()}.tmp") for path, _ in files]
+    try:
+        counts = [_write_jsonl(temp, path, records) for temp, (path, records) in zip(temps, files)]
+        for temp, (path, _) in zip(temps, files):
+            try:
+                os.replace(temp, path)
+            except OSError as e:
+                raise os_problem(path, e) from None
+        return counts
+    finally:
+        for temp in temps:
+            temp.unlink(missing_ok=True)
+
+
+def _write_jsonl(temp: Path, path: Path, records: Iterable[dict]) -> int:
     count = 0
-    with path.open("w", encoding="utf-8") as f:
-        for record in records:
-            f.write(json.dumps(record, ensure_ascii=False) + "\n")
-            count += 1
+    try:
+        with temp.open("w", encoding="utf-8") as f:
+            for record in records:
+                f.write(json.dumps(record, ensure_ascii=False) + "\n")
+                count += 1
+            f.flush()
+            os.fsync(f.fileno())  # complete on disk before it replaces the old file
+    except OSError as e:
+        raise os_problem(path, e) from None
     return count

@@ -28,6 +28,12 @@ class ResumeError(Exception):
     """The output file holds lines that are not output lines; appending to it would hide that."""
 
 
+class RunIOError(Exception):
+    """The input, output or error file could not be read or written mid-run (disk full, a file size limit): one line
+    naming the file. The output keeps every result written before it, a cut last line included, which a rerun
+    drops."""
+
+
 @dataclass
 class RunSummary:
     succeeded: int = 0
@@ -139,8 +145,11 @@ class BatchRun:
 
 
 def _append(f: IO[str], record: dict) -> None:
-    f.write(json.dumps(record, ensure_ascii=False) + "\n")
-    f.flush()
+    try:
+        f.write(json.dumps(record, ensure_ascii=False) + "\n")
+        f.flush()
+    except OSError as e:
+        raise RunIOError(f"{f.name}: {e.strerror or e}") from None
 
 
 def run_batch(input_path: Path, output_path: Path, errors_path: Path, engine: LLMEngine, model_name: str,
@@ -148,7 +157,20 @@ def run_batch(input_path: Path, output_path: Path, errors_path: Path, engine: LL
     """Run every line of input_path whose custom_id is not in `done` (see finished_ids)."""
     # on a terminal the bar redraws in place; in a log file each redraw is a new record, so draw rarely
     interval = 0.1 if sys.stderr.isatty() else 30
-    with (output_path.open("a", encoding="utf-8") as output, errors_path.open("w", encoding="utf-8") as errors,
-          tqdm(total=count_lines(input_path), unit="req", desc="requests", file=sys.stderr,
-               mininterval=interval) as bar):
-        return BatchRun(engine, model_name, output, errors, bar).run(input_path, done)
+    try:
+        with (output_path.open("a", encoding="utf-8") as output, errors_path.open("w", encoding="utf-8") as errors,
+              tqdm(total=count_lines(input_path), unit="req", desc="requests", file=sys.stderr,
+                   mininterval=interval) as bar):
+            return BatchRun(engine, model_name, output, errors, bar).run(input_path, done)
+    except OSError as e:
+        if (failed := _run_io_error(e)) is not None:  # closing the file that failed on the way out fails again
+            raise failed from None
+        if e.filename is None:  # not opening a file: writes are _append's, anything else is not ours to explain
+            raise
+        raise RunIOError(f"{e.filename}: {e.strerror or e}") from None
+
+
+def _run_io_error(e: BaseException | None) -> RunIOError | None:
+    while e is not None and not isinstance(e, RunIOError):
+        e = e.__context__
+    return e

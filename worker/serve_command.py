@@ -19,7 +19,7 @@ import threading
 from functools import partial
 from pathlib import Path
 
-from worker.cli import add_engine_args, load_engine, served_model_name
+from worker.cli import UsageError, add_engine_args, load_engine, port, served_model_name
 
 KEY_FILE = "api_key"
 
@@ -28,7 +28,7 @@ def add_serve_parser(commands) -> None:
     parser = commands.add_parser("serve", help="API, queue and worker in one process (SQLite, no Redis needed)")
     add_engine_args(parser)
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    parser.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
+    parser.add_argument("--port", type=port, default=8000, help="port to listen on (default 8000)")
     parser.add_argument("--data-dir", type=Path, default=Path(".sluice"),
                         help=f"the database and the API key file ({KEY_FILE}) live here (default ./.sluice)")
     parser.add_argument("--loglevel", default="WARNING")
@@ -36,7 +36,10 @@ def add_serve_parser(commands) -> None:
 
 
 def serve_command(args: argparse.Namespace) -> int:
-    args.data_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        args.data_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # a file of that name, or no permission
+        raise UsageError(f"--data-dir {args.data_dir}: {e.strerror or e}") from None
     # before anything reads them: worker.celery_app builds its Celery app from the environment at import
     os.environ["SLUICE_DATABASE_URL"] = f"sqlite:///{(args.data_dir / 'sluice.db').resolve()}"
     os.environ["SLUICE_BROKER_URL"] = "memory://"

@@ -12,7 +12,7 @@ import argparse
 import logging
 from functools import partial
 
-from worker.cli import UsageError, add_engine_args, load_engine, served_model_name
+from worker.cli import UsageError, add_engine_args, load_engine, make_db_engine, port, served_model_name
 
 
 def add_worker_parser(commands) -> None:
@@ -32,7 +32,7 @@ def add_worker_parser(commands) -> None:
     ops.add_argument("--window-seconds", type=float, default=10.0, metavar="S",
                      help="length of the engine efficiency windows this worker records (steps, occupancy, busy and "
                           "idle seconds); shorter ones show a short run's ramp and any gaps in feeding the engine")
-    ops.add_argument("--metrics-port", type=int, metavar="PORT",
+    ops.add_argument("--metrics-port", type=port, metavar="PORT",
                      help="serve the engine's live Prometheus metrics on this port (sluice:engine_*)")
     ops.add_argument("--engine-threads", type=int, metavar="N",
                      help="PyTorch threads of the engine process (default: all CPUs but one, left to the worker)")
@@ -71,7 +71,7 @@ def worker_command(args: argparse.Namespace) -> int:
                               cpu_pinning=args.cpu_pinning, engine_nice=args.engine_nice)
     concurrency = args.concurrency or default_concurrency(args.max_num_seqs or EngineConfig.max_num_seqs)
     # a connection for each chunk's thread, the maintenance thread and the consumer's (it marks the worker live)
-    database = db.make_engine(pre_ping=False, pool_size=concurrency + 2)
+    database = make_db_engine(pre_ping=False, pool_size=concurrency + 2)
     worker = GpuWorker(partial(load_engine, args), settings, db.session_factory(database), app)
     try:
         worker.start()  # builds the engine on its own thread; a bad model is load_engine's UsageError

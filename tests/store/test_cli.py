@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from store_test_utils import chat, jsonl, ok, read_chunks
@@ -82,6 +84,9 @@ def test_submit_takes_the_model_from_the_lines_and_fails_an_empty_file(tmp_path,
     (["status", "batch_nope"], "batch batch_nope not found"),
     (["results", "batch_nope", "-o", "{tmp}/out.jsonl"], "batch batch_nope not found"),
     (["results", "batch_nope", "-o", "{tmp}/no/such/dir/out.jsonl"], "not found"),
+    (["results", "batch_nope", "-o", "{tmp}"], "is a directory"),
+    (["results", "batch_nope", "-o", "{tmp}/out.jsonl", "--errors", "{tmp}"], "is a directory"),
+    (["serve", "--model", "demo", "--data-dir", "{input}"], "--data-dir"),
     (["worker", "--model", "demo", "--engine-threads", "0"], "--engine-threads must be at least 1"),
     (["worker", "--model", "demo", "--engine-nice", "-21"], "--engine-nice must be from -20 to 19, got -21"),
     (["worker", "--model", "demo", "--window-seconds", "0"], "--window-seconds must be positive, got 0.0"),
@@ -92,6 +97,63 @@ def test_mistakes_exit_2_with_a_message(tmp_path, cli_env, capsys, argv, message
     code, out, err = sluice(capsys, *(a.format(input=source, tmp=tmp_path) for a in argv))
     assert code == 2 and message in err and out == ""
     assert cli_env.keys("model.*") == []
+
+
+def submitted(tmp_path, capsys, lines: list) -> str:
+    source = tmp_path / "in.jsonl"
+    source.write_bytes(jsonl(lines))
+    code, out, _ = sluice(capsys, "submit", source, "--model", "tiny")
+    assert code == 0
+    return out.splitlines()[-1]
+
+
+def test_results_keep_the_previous_files_when_writing_fails(tmp_path, cli_env, capsys, monkeypatch):
+    batch_id = submitted(tmp_path, capsys, [chat("a"), "{bad"])
+    output, errors = tmp_path / "out.jsonl", tmp_path / "out.errors.jsonl"
+    output.write_text("previous output\n")
+    errors.write_text("previous errors\n")
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr("worker.cli.os.fsync", full)
+    code, _, err = sluice(capsys, "results", batch_id, "-o", output)
+    assert code == 2 and f"{output}: No space left on device" in err
+    assert (output.read_text(), errors.read_text()) == ("previous output\n", "previous errors\n")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl", "out.errors.jsonl", "out.jsonl"]
+
+
+def test_an_unreadable_input_is_named(tmp_path, cli_env, capsys, monkeypatch):
+    source = tmp_path / "in.jsonl"
+    source.write_bytes(jsonl([chat("a")]))
+
+    def denied(self, *args, **kwargs):
+        raise PermissionError(errno.EACCES, "Permission denied", str(self))
+    monkeypatch.setattr(Path, "open", denied)  # as root, chmod would not keep the test out
+    monkeypatch.setattr(Path, "read_bytes", denied)
+    code, out, err = sluice(capsys, "submit", source)
+    assert code == 2 and err == f"sluice submit: {source}: Permission denied\n" and out == ""
+
+
+def test_a_malformed_database_url_is_named(monkeypatch, capsys):
+    monkeypatch.setenv("SLUICE_DATABASE_URL", "bogus")
+    code, _, err = sluice(capsys, "status", "batch_x")
+    assert code == 2 and err.startswith("sluice status: SLUICE_DATABASE_URL 'bogus': ") and len(err.splitlines()) == 1
+
+
+@pytest.mark.parametrize("argv", [["api", "--port", "99999"], ["serve", "--model", "demo", "--port", "0"]])
+def test_ports_outside_1_to_65535_are_refused(capsys, argv):
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2 and "is not a port (1-65535)" in capsys.readouterr().err
+
+
+def test_a_closed_stdout_stops_quietly(tmp_path, cli_env, capsys):
+    batch_id = submitted(tmp_path, capsys, [chat("a")])
+    proc = subprocess.Popen([sys.executable, "-c", "import sys; from worker.cli import main; sys.exit(main())",
+                             "status", batch_id], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc.stdout.close()  # `sluice status B | head -0`: the reader has gone before the first write
+    err = proc.stderr.read()
+    assert proc.wait(timeout=60) == 1 and err == ""
 
 
 def test_an_unmigrated_database_is_named(tmp_path, monkeypatch, capsys):
