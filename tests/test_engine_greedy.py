@@ -147,3 +147,16 @@ def test_sliding_window_matches_transformers(checkpoints, engine_kwargs):
     assert max(len(ids) for ids, _ in prompts) > 16
     got, _, _ = run_engine(path, prompts, **engine_kwargs)
     assert got == hf_greedy(path, prompts)
+
+
+@pytest.mark.parametrize("engine_kwargs", [{}, {"max_num_batched_tokens": 16}], ids=["whole", "chunked"])
+def test_qwen2_max_window_layers_matches_transformers(tmp_path, tokenizer_dir, engine_kwargs):
+    """Qwen2 slides only the layers from max_window_layers on: here layer 0 attends in full, layer 1 in a window."""
+    from worker.engine.demo import build_checkpoint
+
+    path = build_checkpoint(tmp_path, "Qwen2ForCausalLM", seed=3, tokenizer_dir=tokenizer_dir, use_sliding_window=True,
+                            sliding_window=8, max_window_layers=1, num_hidden_layers=2, initializer_range=0.1)
+    assert transformers.AutoConfig.from_pretrained(str(path)).layer_types == ["full_attention", "sliding_attention"]
+    prompts = make_prompts(transformers.AutoConfig.from_pretrained(str(path)).vocab_size, seed=8)[:12]
+    got, _, _ = run_engine(path, prompts, **engine_kwargs)
+    assert got == hf_greedy(path, prompts)

@@ -136,3 +136,105 @@ def test_unreadable_files_are_named(ckpt):
 def test_missing_directory_is_named(tmp_path):
     with pytest.raises(ModelError, match="config.json: not found"):
         LLM(str(tmp_path / "nowhere"))
+
+
+def randomize_biases(path) -> None:
+    """transformers initializes biases to zero: give them values, so a dropped bias changes the logits."""
+    file = path / "model.safetensors"
+    tensors = load_file(str(file))
+    gen = torch.Generator().manual_seed(0)
+    for name, t in tensors.items():
+        if name.endswith(".bias"):
+            tensors[name] = torch.randn(t.shape, generator=gen) * 0.5
+    save_file(tensors, str(file), metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize("bias", ["attention_bias", "mlp_bias"])
+def test_llama_biases_match_transformers(tmp_path, tokenizer_dir, bias):
+    """Llama's attention_bias biases o_proj as well as q/k/v; mlp_bias biases gate/up/down."""
+    path = build_checkpoint(tmp_path, "LlamaForCausalLM", seed=7, tokenizer_dir=tokenizer_dir, initializer_range=0.1,
+                            **{bias: True})
+    randomize_biases(path)
+    ids = [random.Random(1).randrange(5, 500) for _ in range(30)]
+    ref = hf_last_logits(path, ids, torch.float32)
+    ours = last_logits(LLM(str(path)), ids)
+    assert (ours - ref).abs().max() <= 1e-4 * ref.abs().max()
+    quantized = last_logits(LLM(str(path), quantization="int8"), ids)  # the quantized path adds the biases too
+    assert (quantized - ref).abs().max() <= 0.05 * ref.abs().max()
+
+
+def test_unexpected_tensor_is_named(ckpt):
+    file = ckpt / "model.safetensors"
+    tensors = load_file(str(file))
+    tensors["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.ones(4)  # harmless: still ignored
+    save_file(tensors, str(file), metadata={"format": "pt"})
+    LLM(str(ckpt))
+    tensors["model.layers.0.mlp.down_proj.bias"] = torch.ones(64)
+    save_file(tensors, str(file), metadata={"format": "pt"})
+    with pytest.raises(ModelError, match=r"unexpected tensor model\.layers\.0\.mlp\.down_proj\.bias"):
+        LLM(str(ckpt))
+
+
+@pytest.mark.parametrize("same", [True, False], ids=["identical", "different"])
+def test_tied_checkpoint_with_stored_head(tmp_path, tokenizer_dir, same):
+    """A stored lm_head.weight equal to the embeddings stays tied; a different one is used, as transformers does."""
+    path = build_checkpoint(tmp_path, "LlamaForCausalLM", seed=8, tokenizer_dir=tokenizer_dir, initializer_range=0.1,
+                            tie_word_embeddings=True)
+    file = path / "model.safetensors"
+    tensors = load_file(str(file))
+    embed = tensors["model.embed_tokens.weight"]
+    tensors["lm_head.weight"] = embed.clone() if same else torch.randn_like(embed)
+    save_file(tensors, str(file), metadata={"format": "pt"})
+    llm = LLM(str(path))
+    model = llm.runner.model
+    assert (getattr(model.lm_head, "weight", None) is model.model.embed_tokens.weight) == same  # packing takes it
+    ids = [random.Random(2).randrange(5, 500) for _ in range(30)]
+    ref = hf_last_logits(path, ids, torch.float32)
+    assert (last_logits(llm, ids) - ref).abs().max() <= 1e-4 * ref.abs().max()
+
+
+@pytest.mark.parametrize("field,value,error", [
+    ("hidden_act", "gelu_pytorch_tanh", "unsupported hidden_act 'gelu_pytorch_tanh'"),
+    ("quantization_config", {"quant_method": "fp8"}, "pre-quantized checkpoints are not supported.*'fp8'.*int8/int4"),
+])
+def test_unsupported_config_is_refused(ckpt, field, value, error):
+    config = json.loads((ckpt / "config.json").read_text())
+    config[field] = value
+    (ckpt / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelError, match=error):
+        LLM(str(ckpt))
+
+
+def test_max_model_len_beyond_the_model_is_refused(tmp_path, tokenizer_dir):
+    path = build_checkpoint(tmp_path, "LlamaForCausalLM", seed=9, tokenizer_dir=tokenizer_dir,
+                            max_position_embeddings=64)
+    with pytest.raises(ValueError, match=r"max_model_len \(256\).*max_position_embeddings \(64\)"):
+        LLM(str(path), max_model_len=256)
+    assert LLM(str(path), max_model_len=32).max_model_len == 32
+    assert LLM(str(path)).max_model_len == 64
+
+
+def test_linear_rope_scaling_extends_max_model_len():
+    from worker.engine.config import EngineConfig, ModelConfig
+    from worker.engine.processor import max_model_len
+
+    raw = {"architectures": ["LlamaForCausalLM"], "vocab_size": 10, "hidden_size": 8, "intermediate_size": 16,
+           "num_hidden_layers": 1, "num_attention_heads": 2, "max_position_embeddings": 64,
+           "rope_scaling": {"rope_type": "linear", "factor": 4.0}}
+    assert max_model_len(EngineConfig(model="m", max_model_len=256), ModelConfig.from_dict(raw)) == 256
+    with pytest.raises(ValueError, match="linear rope factor 4.0"):
+        max_model_len(EngineConfig(model="m", max_model_len=257), ModelConfig.from_dict(raw))
+
+
+def test_qwen2_layer_windows_follow_transformers():
+    from worker.engine.config import ModelConfig
+
+    raw = {"architectures": ["Qwen2ForCausalLM"], "vocab_size": 10, "hidden_size": 8, "intermediate_size": 16,
+           "num_hidden_layers": 3, "num_attention_heads": 2, "sliding_window": 8}
+    assert ModelConfig.from_dict({**raw, "use_sliding_window": True, "max_window_layers": 1}).layer_windows == [
+        None, 8, 8]
+    off = ModelConfig.from_dict({**raw, "use_sliding_window": False})
+    assert off.sliding_window is None and off.layer_windows == [None] * 3
+    typed = ModelConfig.from_dict({**raw, "use_sliding_window": True, "layer_types": [
+        "sliding_attention", "full_attention", "full_attention"]})
+    assert typed.layer_windows == [8, None, None] and typed.sliding_window == 8

@@ -104,6 +104,7 @@ class TorchAttention:
     def __init__(self, cpu_decode_kernel: bool = True):
         self.cpu_decode_kernel = cpu_decode_kernel
         self._plan: tuple[AttentionMetadata, StepPlan] | None = None
+        self._plans: dict[int | None, tuple[AttentionMetadata, StepPlan]] = {}
 
     def prepare(self, device: torch.device, dtype: torch.dtype) -> None:
         """Build the C++ kernel now if this engine will use it (about 25 s the first time on a machine, then cached),
@@ -141,17 +142,19 @@ class TorchAttention:
                 and cpu_attention.supports(q, cache.k) and cpu_attention.available())
 
     def _step_plan(self, meta: AttentionMetadata, cache: LayerCache, q: torch.Tensor) -> StepPlan:
-        if self._plan is None or self._plan[0] is not meta:  # a new step: the first layer builds it
+        # one plan per window and step: layers of one window share it (Qwen2 may mix windowed and full layers)
+        plan = self._plans.get(meta.sliding_window)
+        if plan is None or plan[0] is not meta:  # a new step: the window's first layer builds it
             dtype, native = q.dtype, self._native_decode(q, cache, meta)
             _, block_size, kv_heads, head_dim = cache.k.shape
             token_bytes = 2 * kv_heads * head_dim * dtype.itemsize  # K and V, as gathered
             short = [i for i in range(meta.num_decodes, len(meta.query_lens)) if meta.query_lens[i] <= SHORT_PREFILL]
             decodes = [] if native else _decode_buckets(meta, block_size, token_bytes, dtype)
-            self._plan = (meta, StepPlan(decodes,
-                                         _prefill_rows(meta, block_size, set(short)),
-                                         _short_prefill_buckets(meta, short, block_size, token_bytes, dtype),
-                                         native))
-        return self._plan[1]
+            plan = self._plans[meta.sliding_window] = (meta, StepPlan(
+                decodes, _prefill_rows(meta, block_size, set(short)),
+                _short_prefill_buckets(meta, short, block_size, token_bytes, dtype), native))
+        self._plan = plan  # the last one used
+        return plan[1]
 
     def _decode(self, q: torch.Tensor, cache: LayerCache, b: DecodeBucket, scale: float) -> torch.Tensor:
         n, heads, d = q.shape

@@ -36,10 +36,16 @@ class ModelConfig:
     rope_scaling: dict | None
     max_position_embeddings: int
     tie_word_embeddings: bool
-    attention_bias: bool
-    sliding_window: int | None
+    attention_bias: bool  # q/k/v biases
+    sliding_window: int | None  # the window of the layers that slide; None when none does
     dtype: torch.dtype
     eos_token_ids: list[int] = field(default_factory=list)
+    o_proj_bias: bool = False
+    mlp_bias: bool = False
+    layer_windows: list[int | None] | None = None  # per layer; None: every layer takes sliding_window
+
+    def window(self, layer: int) -> int | None:
+        return self.sliding_window if self.layer_windows is None else self.layer_windows[layer]
 
     @classmethod
     def from_dir(cls, path: str | Path) -> ModelConfig:
@@ -67,9 +73,10 @@ class ModelConfig:
             rope = raw.get("rope_parameters") or {}
             scaling = raw.get("rope_scaling") or rope
             rope_type = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
-            window = raw.get("sliding_window")
-            if arch == "Qwen2ForCausalLM" and not raw.get("use_sliding_window", False):
-                window = None
+            _check_supported(raw, source)
+            windows = layer_windows(raw, arch)
+            window = next((w for w in windows if w), None) if windows is not None else raw.get("sliding_window")
+            llama_bias = arch == "LlamaForCausalLM" and raw.get("attention_bias", False)  # HF Mistral has none
             eos = raw.get("eos_token_id")
             return cls(
                 architecture=arch,
@@ -85,13 +92,40 @@ class ModelConfig:
                 rope_scaling=None if rope_type == "default" else {**scaling, "rope_type": rope_type},
                 max_position_embeddings=raw.get("max_position_embeddings", 4096),
                 tie_word_embeddings=raw.get("tie_word_embeddings", False),
-                attention_bias=arch == "Qwen2ForCausalLM" or raw.get("attention_bias", False),
+                attention_bias=arch == "Qwen2ForCausalLM" or llama_bias,
+                o_proj_bias=llama_bias,  # transformers' Llama biases o_proj too; Qwen2 only q/k/v
+                mlp_bias=arch == "LlamaForCausalLM" and raw.get("mlp_bias", False),
                 sliding_window=window,
+                layer_windows=windows,
                 dtype=DTYPES.get(str(raw.get("torch_dtype") or raw.get("dtype") or "float32"), torch.float32),
                 eos_token_ids=[] if eos is None else [eos] if isinstance(eos, int) else list(eos),
             )
         except KeyError as e:
             raise ModelError(f"{source}: missing field {e.args[0]!r}") from None
+
+
+def _check_supported(raw: dict, source: str) -> None:
+    """Refuse what the engine would otherwise load and compute wrongly without a word."""
+    quant = raw.get("quantization_config")
+    if quant:
+        method = quant.get("quant_method", "unknown") if isinstance(quant, dict) else "unknown"
+        raise ModelError(f"{source}: pre-quantized checkpoints are not supported (quant_method {method!r}); use the "
+                         f"float checkpoint with --quantization int8/int4 (quantization='int8'/'int4')")
+    act = raw.get("hidden_act", "silu")
+    if act not in ("silu", "swish"):
+        raise ModelError(f"{source}: unsupported hidden_act {act!r}; the engine's MLP is SiLU-gated (silu/swish)")
+
+
+def layer_windows(raw: dict, arch: str) -> list[int | None] | None:
+    """Qwen2's per-layer windows, as transformers reads them: `layer_types` if given, else the layers from
+    max_window_layers on slide (when use_sliding_window). None for Llama and Mistral: one window (or none) for all."""
+    if arch != "Qwen2ForCausalLM":
+        return None
+    n = raw["num_hidden_layers"]
+    window = raw.get("sliding_window") if raw.get("use_sliding_window", False) else None
+    types = raw.get("layer_types") or ["sliding_attention" if window is not None and i >= raw.get(
+        "max_window_layers", 28) else "full_attention" for i in range(n)]
+    return [window if t == "sliding_attention" else None for t in types]
 
 
 @dataclass

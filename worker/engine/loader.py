@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import logging
 from pathlib import Path
 
 import torch
@@ -12,8 +11,8 @@ from safetensors import safe_open
 from worker.engine.config import ModelConfig, ModelError
 from worker.engine.models import MODELS
 
-log = logging.getLogger(__name__)
-IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers older checkpoints saved
+TIED_HEAD = "lm_head.weight"
 
 
 def build_model(config: ModelConfig, backend, max_positions: int, dtype: torch.dtype, device: torch.device):
@@ -49,16 +48,20 @@ def load_weights(model: torch.nn.Module, path: str | Path) -> None:
     path = Path(path)
     expected = model.checkpoint_tensors()
     loaded: set[str] = set()
+    head: torch.Tensor | None = None  # a tied model's stored lm_head.weight, compared once the embeddings are in
     for file in safetensors_files(path):
         try:
             with safe_open(str(file), framework="pt", device="cpu") as f:
                 for name in f.keys():
-                    if name not in expected:
-                        if not name.endswith(IGNORED_SUFFIXES):
-                            log.warning("%s: ignoring unexpected tensor %s", file.name, name)
-                        continue
-                    _copy(expected[name], f.get_tensor(name), name, file)
-                    loaded.add(name)
+                    if name == TIED_HEAD and name not in expected and model.config.tie_word_embeddings:
+                        head = f.get_tensor(name)
+                    elif name in expected:
+                        _copy(expected[name], f.get_tensor(name), name, file)
+                        loaded.add(name)
+                    elif not name.endswith(IGNORED_SUFFIXES):
+                        # a tensor the model has no place for is a weight it would compute without
+                        raise ModelError(f"{file.name}: unexpected tensor {name} (not used by "
+                                         f"{model.config.architecture} with this config.json)")
         except ModelError:
             raise
         except Exception as e:  # safetensors raises its own types for corrupt headers and data
@@ -67,6 +70,18 @@ def load_weights(model: torch.nn.Module, path: str | Path) -> None:
     if missing:
         more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
         raise ModelError(f"{path}: checkpoint is missing tensor(s) {', '.join(missing[:5])}{more}")
+    if head is not None:
+        _untie_if_different(model, head)
+
+
+def _untie_if_different(model: torch.nn.Module, head: torch.Tensor) -> None:
+    """transformers uses a tied checkpoint's stored lm_head.weight when it differs from the embeddings: so do we."""
+    embed = model.model.embed_tokens.weight
+    if head.shape != embed.shape:
+        raise ModelError(f"tensor {TIED_HEAD} has shape {tuple(head.shape)}, the config implies {tuple(embed.shape)}")
+    head = head.to(embed.dtype)
+    if not torch.equal(head, embed.detach().cpu()):
+        model.lm_head.weight = torch.nn.Parameter(head.to(embed.device), requires_grad=False)
 
 
 @torch.no_grad()

@@ -160,8 +160,7 @@ class ModelRunner:
             num_decodes=sum(1 for n in query_lens if n == 1),
             query_lens=query_lens,
             context_lens_list=context_lens,
-            sliding_window=self.model_config.sliding_window,
-        )
+        )  # each layer's window is the model's to set (Decoder.forward)
         ids = torch.tensor(input_ids, dtype=torch.int64, device=dev)
         pos = torch.tensor(positions, dtype=torch.int64, device=dev)
         rows = torch.tensor(logits_rows, dtype=torch.int64, device=dev)

@@ -80,4 +80,26 @@ class InputProcessor:
 
 
 def max_model_len(config: EngineConfig, model_config: ModelConfig) -> int:
-    return config.max_model_len or model_config.max_position_embeddings
+    """The user's max_model_len, or the model's; more than the model was trained for is refused (as vLLM does)."""
+    derived = derived_max_len(model_config)
+    if config.max_model_len is None:
+        return derived
+    if config.max_model_len > derived:
+        raise ValueError(f"max_model_len ({config.max_model_len}) is more than the model's context: "
+                         f"max_position_embeddings ({model_config.max_position_embeddings}){_scaled(model_config)}")
+    return config.max_model_len
+
+
+def derived_max_len(c: ModelConfig) -> int:
+    """vLLM's rule: linear rope scaling extends max_position_embeddings by its factor; a llama3 config's
+    max_position_embeddings is already the extended length."""
+    scaling = c.rope_scaling
+    if scaling is not None and scaling["rope_type"] == "linear":
+        return int(c.max_position_embeddings * scaling["factor"])
+    return c.max_position_embeddings
+
+
+def _scaled(c: ModelConfig) -> str:
+    if derived_max_len(c) == c.max_position_embeddings:
+        return ""
+    return f" x linear rope factor {c.rope_scaling['factor']}"

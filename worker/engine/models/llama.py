@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from torch import nn
 
@@ -24,7 +26,7 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
         q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         self.qkv_proj = Linear(c.hidden_size, [q_size, kv_size, kv_size], bias=c.attention_bias)
-        self.o_proj = Linear(q_size, [c.hidden_size])
+        self.o_proj = Linear(q_size, [c.hidden_size], bias=c.o_proj_bias)
         self.backend = backend
         self.scale = c.head_dim ** -0.5
 
@@ -41,10 +43,10 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, c: ModelConfig):
+    def __init__(self, c: ModelConfig, bias: bool = False):
         super().__init__()
-        self.gate_up_proj = Linear(c.hidden_size, [c.intermediate_size] * 2)
-        self.down_proj = Linear(c.intermediate_size, [c.hidden_size])
+        self.gate_up_proj = Linear(c.hidden_size, [c.intermediate_size] * 2, bias=bias)
+        self.down_proj = Linear(c.intermediate_size, [c.hidden_size], bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.device.type != "cpu" or x.shape[0] <= CPU_MLP_ROWS:
@@ -62,7 +64,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.self_attn = Attention(c, backend)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.mlp = MLP(c)
+        self.mlp = MLP(c, c.mlp_bias)
 
     def forward(self, x, residual, rope: Rope, cache: LayerCache, meta: AttentionMetadata,
                 keep: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -84,6 +86,7 @@ class Decoder(nn.Module):
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(c, backend) for _ in range(c.num_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.windows = [c.window(i) for i in range(c.num_layers)]
 
     def forward(self, input_ids, positions, caches: list[LayerCache], meta: AttentionMetadata,
                 keep: torch.Tensor | None = None):
@@ -92,8 +95,10 @@ class Decoder(nn.Module):
         x, residual = self.embed_tokens(input_ids), None
         rope = self.rotary(positions, x.dtype)
         last = len(self.layers) - 1
+        # each layer attends within its own window (Qwen2 slides only some layers): one metadata per window
+        metas = {w: meta if w == meta.sliding_window else replace(meta, sliding_window=w) for w in set(self.windows)}
         for i, (layer, cache) in enumerate(zip(self.layers, caches)):
-            x, residual = layer(x, residual, rope, cache, meta, keep if i == last else None)
+            x, residual = layer(x, residual, rope, cache, metas[self.windows[i]], keep if i == last else None)
         return self.norm(x, residual)[0]
 
 
