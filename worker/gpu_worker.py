@@ -76,6 +76,7 @@ class GpuWorker:
         self._beat_lock = threading.Lock()  # one beat at a time, each writing the status as it is when it writes
         self.stopping = threading.Event()
         self.closed = threading.Event()
+        self._grace: threading.Timer | None = None  # stops the engine when SIGTERM's grace period runs out
         self._maintenance = threading.Thread(target=self._maintain, name="maintenance", daemon=True)
 
     def start(self) -> GpuWorker:
@@ -176,10 +177,16 @@ class GpuWorker:
             return
         self.stopping.set()
         self._heartbeat()
-        threading.Timer(self.settings.shutdown_grace_seconds, self.bridge.stop).start()
+        # a daemon, cancelled by close(): a worker whose chunks all finished early must not wait out the grace
+        # period (30 s by default, more than `docker stop` gives before its SIGKILL) before its process can exit
+        self._grace = threading.Timer(self.settings.shutdown_grace_seconds, self.bridge.stop)
+        self._grace.daemon = True
+        self._grace.start()
 
     def close(self) -> None:
         self.stopping.set()
+        if self._grace is not None:
+            self._grace.cancel()
         self.bridge.stop(timeout=30)
         self.closed.set()
         self._maintenance.join(timeout=30)

@@ -219,6 +219,15 @@ def test_sigterm_gives_unfinished_requests_back(cluster):
     exactly_one_result_each(cluster, batch_id)
 
 
+def test_an_idle_worker_exits_on_sigterm_without_waiting_out_the_grace_period(cluster):
+    worker = cluster.start_worker("--shutdown-grace-seconds", "120")  # the last flag wins over the fixture's 5
+    cluster.wait_live(1)
+    worker.send_signal(signal.SIGTERM)
+    assert worker.wait(timeout=40) == 0  # it waited the whole 120 s while the grace timer kept the process alive
+    with cluster.sessions.begin() as s:
+        assert not store.live_workers(s)  # its last heartbeat said "stopped"
+
+
 def test_a_model_without_a_live_worker_stays_queued_and_says_so(cluster):
     batch_id = cluster.submit([completion(0, 4)])
     view = cluster.batch(batch_id)
