@@ -14,7 +14,6 @@ from starlette.exceptions import HTTPException
 
 from api.schemas import readable
 from api.store import Conflict, InvalidInput, NotFound, StoreError
-from api.store.batches import InvalidBody
 
 VALIDATION_CODES = {"missing": "missing_required_parameter", "extra_forbidden": "unknown_parameter"}
 VALIDATION_DETAILS = {"missing": "required field is missing", "extra_forbidden": "unknown field"}
@@ -64,8 +63,9 @@ async def _store_error(_request: Request, e: StoreError) -> JSONResponse:
         return error_response(404, str(e), code="not_found")
     if isinstance(e, Conflict):
         return error_response(409, str(e), e.param, "conflict")
-    param = e.param if isinstance(e, InvalidInput) else None
-    return error_response(400, str(e), param, e.code if isinstance(e, InvalidBody) else "invalid_value")
+    if isinstance(e, InvalidInput):
+        return error_response(400, str(e), e.param, e.code)
+    return error_response(400, str(e), code="invalid_value")
 
 
 async def _validation_error(_request: Request, e: RequestValidationError) -> JSONResponse:

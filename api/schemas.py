@@ -207,6 +207,11 @@ def valid_unicode(text: str) -> bool:
     return SURROGATE.search(text) is None
 
 
+def storable(text: str) -> bool:
+    """Whether PostgreSQL text can hold it: valid Unicode and no NUL (a query binding either fails)."""
+    return "\x00" not in text and valid_unicode(text)
+
+
 def readable(text: str) -> str:
     """The text with any surrogate code point written as its escape, so that it can be stored and shown."""
     return text.encode("utf-8", "backslashreplace").decode()

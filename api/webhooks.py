@@ -34,7 +34,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from api.models import WebhookDelivery, WebhookEndpoint
 from api.queue import DELIVER_WEBHOOK
-from api.schemas import valid_unicode
+from api.schemas import storable
 
 FIRST_DELAY = 5.0
 MAX_DELAY = 3600.0
@@ -63,7 +63,7 @@ def allow_private() -> bool:
 
 def check_url(url: str) -> list[str]:
     """The addresses the URL's host resolves to, all of them allowed; UrlRefused otherwise."""
-    if "\x00" in url or not valid_unicode(url):  # no URL has them, and the database cannot store them
+    if not storable(url):  # no URL has a NUL or a lone surrogate, and the database could not store them
         raise UrlRefused(f"url {url!r}: has a NUL character or a lone surrogate")
     try:
         parts = urlsplit(url)

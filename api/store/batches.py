@@ -37,14 +37,6 @@ MAX_CUSTOM_ID = 512
 MAX_MODEL_NAME = 255
 
 
-class InvalidBody(InvalidInput):
-    """A single request's body, refused as its batch line would be: with that line's error code."""
-
-    def __init__(self, error: LineError):
-        super().__init__(error.message.removeprefix(f"line {error.line}: "), error.param)
-        self.code = error.code
-
-
 @dataclass
 class Work:
     """Requests to publish to one model's queue at one priority."""
@@ -172,13 +164,13 @@ def create_request(session: Session, tenant_id: int, endpoint: str, body: dict[s
     request_id = new_id(REQUEST_PREFIX)
     line = json.dumps({"custom_id": request_id, "method": "POST", "url": endpoint, "body": body})
     checked = parse_line(line, 1)
-    if isinstance(checked, LineError):
-        raise InvalidBody(checked)
+    if isinstance(checked, LineError):  # refused as its batch line would be, with that line's error code
+        raise InvalidInput(checked.message.removeprefix("line 1: "), checked.param, checked.code)
     model = checked.body.model
     if model is None:
-        raise InvalidBody(line_error(1, "missing_required_parameter", "required field is missing", param="body.model"))
+        raise InvalidInput("body.model: required field is missing", "body.model", "missing_required_parameter")
     if problem := _model_problem(model):
-        raise InvalidBody(line_error(1, "invalid_value", problem, param="body.model"))
+        raise InvalidInput(f"body.model: {problem}", "body.model")
     now = time.time()
     batch = Batch(id=request_id, tenant_id=tenant_id, endpoint=endpoint, input_file_id="",
                   completion_window=completion_window, model=model, priority=DEFAULT_PRIORITY, status="in_progress",

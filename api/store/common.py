@@ -24,9 +24,9 @@ class NotFound(StoreError):
 
 
 class InvalidInput(StoreError):
-    def __init__(self, message: str, param: str | None = None):
+    def __init__(self, message: str, param: str | None = None, code: str = "invalid_value"):
         super().__init__(message)
-        self.param = param
+        self.param, self.code = param, code  # code: the API error's, e.g. a batch line's unknown_parameter
 
 
 class Conflict(InvalidInput):

@@ -18,7 +18,7 @@ from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.sql.visitors import InternalTraversal
 from sqlalchemy.types import TypeDecorator
 
-from api.schemas import valid_unicode
+from api.schemas import storable
 
 
 class IdList(TypeDecorator):
@@ -60,4 +60,4 @@ def _any_array(element: InIds, compiler, **kw) -> str:
 def findable(text_id: str) -> bool:
     """Whether a row can have this id: PostgreSQL text holds no NUL and no lone surrogate (not UTF-8), and a query
     binding one fails instead of finding nothing. Callers answer not found (or a bad cursor) without asking."""
-    return "\x00" not in text_id and valid_unicode(text_id)
+    return storable(text_id)
