@@ -53,7 +53,7 @@ def test_a_whole_step_matches_the_reference(monkeypatch, int8, short, cpu_kernel
     want = paged_prefill_attention_ref(q, cache.k, cache.v, meta.block_tables, meta.cu_seqlens_q, meta.context_lens,
                                        DIM ** -0.5, k_scale=cache.k_scale, v_scale=cache.v_scale)
     torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
-    plan = backend._plan[1]
+    plan = backend._plans[None][1]  # the step has no window
     padded = [b.table.shape[0] for b in plan.short_prefills]
     if short:  # the five prefill rows of at most 64 tokens went into buckets (all five in one, here), the 70 alone
         assert sum(padded) == 5 and len(plan.prefills) == 1

@@ -103,8 +103,7 @@ class TorchAttention:
 
     def __init__(self, cpu_decode_kernel: bool = True):
         self.cpu_decode_kernel = cpu_decode_kernel
-        self._plan: tuple[AttentionMetadata, StepPlan] | None = None
-        self._plans: dict[int | None, tuple[AttentionMetadata, StepPlan]] = {}
+        self._plans: dict[int | None, tuple[AttentionMetadata, StepPlan]] = {}  # by window: the step it planned
 
     def prepare(self, device: torch.device, dtype: torch.dtype) -> None:
         """Build the C++ kernel now if this engine will use it (about 25 s the first time on a machine, then cached),
@@ -153,7 +152,6 @@ class TorchAttention:
             plan = self._plans[meta.sliding_window] = (meta, StepPlan(
                 decodes, _prefill_rows(meta, block_size, set(short)),
                 _short_prefill_buckets(meta, short, block_size, token_bytes, dtype), native))
-        self._plan = plan  # the last one used
         return plan[1]
 
     def _decode(self, q: torch.Tensor, cache: LayerCache, b: DecodeBucket, scale: float) -> torch.Tensor:
