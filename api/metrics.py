@@ -39,7 +39,7 @@ class SluiceCollector:
             e2e = store.latency_histogram(session, Result.e2e_seconds, E2E_BOUNDS)
             kv = store.kv_cache_use(session)
             models = sorted(set(self.svc.settings.models) | {w.served_model_name for w in store.live_workers(session)}
-                            | set(store.models_with_queued_requests(session)))
+                            | set(store.models_with_waiting_requests(session)))
         for status, name, doc in (("running", "num_requests_running", "Requests running on workers"),
                                   ("queued", "num_requests_waiting", "Requests waiting to be run")):
             family = GaugeMetricFamily(f"sluice:{name}", doc, labels=["model"])

@@ -30,7 +30,7 @@ def reconcile_once(sessions: sessionmaker[Session], app: Celery, stale_seconds: 
         with sessions.begin() as session:
             expired = store.expire_batches(session)
             work = store.recover_expired_leases(session)
-            idle = [m for m in store.models_with_queued_requests(session) if queue_depth(app, model_queue(m)) == 0]
+            idle = [m for m in store.models_with_waiting_requests(session) if queue_depth(app, model_queue(m)) == 0]
             work += store.republish_stale(session, stale_seconds, models=idle)
             deliveries = store.new_deliveries(session) + store.due_deliveries(session, time.time())
         return expired, work, list(dict.fromkeys(deliveries))

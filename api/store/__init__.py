@@ -20,7 +20,7 @@ from api.store.leases import Claimed, RequestResult, claim, mark_cancelled, rele
 from api.store.lifecycle import cancel_batch, expire_batches
 from api.store.listing import delete_file, list_batches, list_files
 from api.store.metrics import kv_cache_use, latency_histogram, requests_by_status, token_totals
-from api.store.recovery import models_with_queued_requests, recover_expired_leases, republish_stale
+from api.store.recovery import models_with_waiting_requests, recover_expired_leases, republish_stale
 from api.store.tenants import (
     DEFAULT_TENANT,
     create_api_key,
@@ -62,7 +62,7 @@ __all__ = [
     "error_file_id", "error_lines", "expire_batches", "file_content", "file_page", "find_api_key", "get_batch",
     "get_file", "get_or_create_tenant", "get_webhook_endpoint", "gpu_hour_cost", "heartbeat", "input_file_problem",
     "kv_cache_use", "latency_histogram", "list_batches", "list_deliveries", "list_files", "list_webhook_endpoints",
-    "live_workers", "mark_cancelled", "models_with_queued_requests", "new_deliveries", "output_file_id",
+    "live_workers", "mark_cancelled", "models_with_waiting_requests", "new_deliveries", "output_file_id",
     "output_lines", "record_efficiency", "recover_expired_leases", "release", "renew_leases", "republish_stale",
     "request_view", "requests_by_status", "resolve_api_key", "result_page", "revoke_api_key", "store_file",
     "submit_jsonl", "tenant_usage", "token_totals", "view_file", "write_results",

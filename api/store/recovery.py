@@ -73,7 +73,7 @@ def republish_stale(session: Session, older_than: float, models: list[str] | Non
     return _work(session, rows)
 
 
-def models_with_queued_requests(session: Session) -> list[str]:
+def models_with_waiting_requests(session: Session) -> list[str]:
     """Models of in_progress batches with waiting requests (queued, or running under a lease that ran out)."""
     return sorted(session.scalars(select(Batch.model).distinct()
                                   .where(Batch.status == "in_progress", Batch.id.in_(

@@ -181,7 +181,7 @@ def test_a_recovered_request_whose_message_is_lost_too_is_sent_again(sessions):
         assert store.recover_expired_leases(session) == [store.Work("tiny", 5, [a])]
     # that message is lost too (Redis flushed): a still waits for a worker, and goes again once its message is stale
     with sessions.begin() as session:
-        assert store.models_with_queued_requests(session) == ["tiny"]
+        assert store.models_with_waiting_requests(session) == ["tiny"]
         assert store.republish_stale(session, older_than=60) == []
         session.execute(update(Request).values(published_at=Request.published_at - 120))
     with sessions.begin() as session:
