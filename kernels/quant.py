@@ -48,8 +48,11 @@ def quantize_int4(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch
         raise ValueError(f"quantize_int4: group_size={group_size} must be one of {INT4_GROUP_SIZES} and divide K={k}")
     groups = w.float().reshape(n, k // group_size, group_size)
     lo, hi = groups.amin(dim=-1), groups.amax(dim=-1)
-    scales = _stored_scale((hi - lo) / 15, w.dtype)
+    scales = ((hi - lo) / 15).to(w.dtype)
+    # The zero point from the scale before a 0 becomes 1: a constant group gets zero = its value (q = 8), exact;
+    # lo + 8 * 1 would round small values away (0.01 + 8 is 8.0 in bfloat16, so the group came back as 0).
     zeros = (lo + 8 * scales.float()).to(w.dtype)
+    scales = _stored_scale(scales, w.dtype)
     # Round against the stored scale and zero: q is then the nearest point of the grid that dequantizes.
     q = torch.round((groups - zeros.float()[..., None]) / scales.float()[..., None] + 8).clamp(0, 15)
     return pack_int4(q.reshape(n, k)), scales, zeros

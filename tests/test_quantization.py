@@ -68,6 +68,22 @@ def test_int4_cpu_kernel_and_fallback_match_the_dequantized_weight():
             assert rel_err(lin(x), reference(canonical, x, "int4")) < 1e-2
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int4_keeps_a_constant_output_channel(dtype):
+    # an output channel whose weights are all 0.01: every group constant, which int4 must keep (it came back as 0)
+    lin = layer(48, 64)
+    lin.weight.data[5] = 0.01
+    lin = lin.to(dtype)
+    w = lin.weight.data.float().clone()
+    method = Int4Method("torch", 32)
+    method.quantize(lin)
+    lin.method = method
+    assert method.cpu_kernel
+    x = torch.randn(4, 64).to(dtype)
+    want = x.float() @ w[5]
+    torch.testing.assert_close(lin(x)[:, 5].float(), want, atol=2e-3, rtol=1e-2)
+
+
 @pytest.mark.parametrize("kind", ["int8", "int4"])
 def test_triton_linear_backend_matches_the_dequantized_weight(kind):
     lin = layer(40, 64, bias=True)

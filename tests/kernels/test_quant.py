@@ -88,6 +88,16 @@ def test_int4_zero_point_convention():
     assert q[0] == 0 and q[-1] == 15  # min and max land on the ends of the grid
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_int4_constant_groups_round_trip_exactly(dtype):
+    # A constant group has nothing to spread over the grid: it must come back as its value, small ones included
+    # (a zero point of value + 8 rounds 0.01 to 0 in bfloat16).
+    values = torch.tensor([0.01, -0.3, 1e-3, 5.0, -100.0, 0.0])
+    w = values.repeat_interleave(32)[None, :].repeat(3, 1).to(dtype)
+    qweight, scales, zeros = quantize_int4(w, 32)
+    assert torch.equal(dequantize_int4(qweight, scales, zeros, 32), w)
+
+
 @pytest.mark.parametrize("group_size, k", [(48, 96), (32, 80)])
 def test_int4_rejects_bad_groups(group_size, k):
     with pytest.raises(ValueError, match="group_size"):
