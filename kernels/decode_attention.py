@@ -107,6 +107,8 @@ def paged_decode_attention(
     unspecified.
     """
     quantized = check_decode_inputs(q, k_cache, v_cache, block_tables, context_lens, k_scale, v_scale)
+    # the kernel reads these with a row stride at most: a strided view would be read as if packed
+    block_tables, context_lens = block_tables.contiguous(), context_lens.contiguous()
     num_seqs, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     out = torch.empty_like(q) if out is None else out

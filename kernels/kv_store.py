@@ -80,6 +80,7 @@ def store_kv(
     quantized = _check(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     if k.stride() != v.stride():  # one set of strides serves both inputs
         k, v = k.contiguous(), v.contiguous()
+    slot_mapping = slot_mapping.contiguous()  # the kernel reads it as packed
     num_tokens, num_heads, head_dim = k.shape
     if num_tokens == 0:
         return

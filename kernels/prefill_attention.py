@@ -101,6 +101,9 @@ def paged_prefill_attention(
     """q [total_q, heads, dim], packed by cu_seqlens_q; query i of sequence b sits at context_lens[b] - q_len_b + i
     and attends causally to the paged cache (which already holds this step's K/V) -> [total_q, heads, dim]."""
     quantized = _check(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, k_scale, v_scale)
+    # the kernel reads these with a row stride at most: a strided view would be read as if packed
+    block_tables, context_lens = block_tables.contiguous(), context_lens.contiguous()
+    cu_seqlens_q = cu_seqlens_q.contiguous()
     total_q, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     num_seqs = cu_seqlens_q.shape[0] - 1

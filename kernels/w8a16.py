@@ -75,6 +75,7 @@ def w8a16_matmul(
 ) -> torch.Tensor:
     """x [M, K] (fp32/fp16/bf16), qweight int8 [N, K], scale [N] -> [M, N] in x's dtype."""
     _check(x, qweight, scale)
+    scale = scale.contiguous()  # the kernel reads it as packed
     m, k = x.shape
     n = qweight.shape[0]
     out = torch.empty(m, n, dtype=x.dtype, device=x.device) if out is None else out

@@ -53,3 +53,10 @@ def gather_context(cache: torch.Tensor, scale: torch.Tensor | None, block_table:
     if scale is not None:
         rows = rows * torch.cat([scale[b] for b in blocks])[:n, :, None]
     return rows
+
+
+def strided_copy(t: torch.Tensor) -> torch.Tensor:
+    """The same values in a non-contiguous view: a 2-D tensor column-major, a 1-D one every other element."""
+    if t.dim() == 2:
+        return t.T.contiguous().T
+    return torch.stack([t, torch.zeros_like(t)], dim=1)[:, 0]

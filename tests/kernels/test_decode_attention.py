@@ -3,7 +3,7 @@
 import pytest
 import torch
 import torch.nn.functional as F
-from kernel_test_utils import DEVICE, assert_close, gather_context, make_paged_kv, nan_like
+from kernel_test_utils import DEVICE, assert_close, gather_context, make_paged_kv, nan_like, strided_copy
 
 from kernels.decode_attention import paged_decode_attention, paged_decode_attention_ref
 
@@ -49,6 +49,17 @@ def test_decode_long_context_default_splits(gen):
     """A table wider than one partition takes the split path without being told (1100 tokens -> 3 splits)."""
     args, kwargs = _case(gen, [1100, 9], 4, 1, 16, 32, torch.float32)
     _check(args, kwargs)
+
+
+def test_decode_strided_block_tables_and_context_lens(gen):
+    """Index tensors as strided views are read by value (the kernel had read them as if packed)."""
+    (q, k_cache, v_cache, block_tables, context_lens, scale), kw = _case(gen, [5, 20, 33], 4, 2, 32, 8, torch.float32)
+    want = paged_decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens, scale, **kw)
+    tables, lens = strided_copy(block_tables), strided_copy(context_lens)
+    assert not tables.is_contiguous() and not lens.is_contiguous()
+    for num_splits in (None, 2):
+        out = paged_decode_attention(q, k_cache, v_cache, tables, lens, scale, **kw, num_splits=num_splits)
+        assert_close(out, want)
 
 
 @pytest.mark.parametrize("int8", [False, True], ids=["float_cache", "int8_cache"])

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from kernel_test_utils import DEVICE
+from kernel_test_utils import DEVICE, strided_copy
 
 from kernels.kv_store import store_kv, store_kv_ref
 from kernels.quant import dequantize_kv_int8
@@ -67,6 +67,16 @@ def test_store_kv_strided_inputs(gen, int8):
     assert not k.is_contiguous()
     slots = torch.tensor([3, 4, 5, 30, 31, 0, -1], dtype=torch.int32, device=DEVICE)  # int32 slots work too
     _run_both(k, v, slots, 4, 8, torch.float32, int8)
+
+
+@pytest.mark.parametrize("int8", [False, True], ids=["float_cache", "int8_cache"])
+def test_store_kv_strided_slot_mapping(gen, int8):
+    """A strided slot_mapping is read by value (the kernel had read it as if packed, writing to the wrong slots)."""
+    k = torch.randn(5, 2, 16, generator=gen, device=DEVICE)
+    v = torch.randn(5, 2, 16, generator=gen, device=DEVICE)
+    slots = strided_copy(torch.tensor([3, 9, -1, 12, 1], device=DEVICE))
+    assert not slots.is_contiguous()
+    _run_both(k, v, slots, 4, 4, torch.float32, int8)
 
 
 def test_store_kv_int8_needs_scales():

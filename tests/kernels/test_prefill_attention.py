@@ -3,7 +3,7 @@
 import pytest
 import torch
 import torch.nn.functional as F
-from kernel_test_utils import DEVICE, assert_close, gather_context, make_paged_kv, nan_like
+from kernel_test_utils import DEVICE, assert_close, gather_context, make_paged_kv, nan_like, strided_copy
 
 from kernels.prefill_attention import paged_prefill_attention, paged_prefill_attention_ref
 
@@ -45,6 +45,16 @@ def test_prefill_odd_head_dim_and_block_size(gen, head_dim, block_size):
 def test_prefill_int8_kv(gen):
     args, kwargs = _case(gen, SEQS, 4, 1, 32, 16, torch.float16, int8=True)
     _check(args, kwargs)
+
+
+def test_prefill_strided_index_tensors(gen):
+    """block_tables, cu_seqlens_q and context_lens as strided views are read by value (they were read as packed)."""
+    args, kwargs = _case(gen, [(5, 5), (20, 40), (33, 33)], 4, 2, 32, 8, torch.float32)
+    want = paged_prefill_attention_ref(*args, **kwargs)
+    q, k_cache, v_cache, block_tables, cu_seqlens, context_lens, scale = args
+    strided = [strided_copy(t) for t in (block_tables, cu_seqlens, context_lens)]
+    assert not any(t.is_contiguous() for t in strided)
+    assert_close(paged_prefill_attention(q, k_cache, v_cache, *strided, scale, **kwargs), want)
 
 
 @pytest.mark.parametrize("int8", [False, True], ids=["float_cache", "int8_cache"])

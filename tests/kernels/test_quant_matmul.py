@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from kernel_test_utils import DEVICE, assert_close, nan_like
+from kernel_test_utils import DEVICE, assert_close, nan_like, strided_copy
 
 from kernels.quant import quantize_int4, quantize_int8
 from kernels.w4a16 import w4a16_matmul, w4a16_matmul_ref
@@ -46,6 +46,17 @@ def test_strided_activations(gen):
     assert_close(w8a16_matmul(x, qweight, scale), w8a16_matmul_ref(x, qweight, scale))
     qweight, scales, zeros = quantize_int4(w, 64)
     assert_close(w4a16_matmul(x, qweight, scales, zeros, 64), w4a16_matmul_ref(x, qweight, scales, zeros, 64))
+
+
+def test_strided_weights_and_scales(gen):
+    """Quantized weights and their scales as strided views are read by value (w8a16 read its scale as packed)."""
+    x, w = _operands(gen, 5, 40, 256, torch.float32)
+    qweight, scale = quantize_int8(w)
+    want = x @ (qweight.float() * scale[:, None]).T
+    assert_close(w8a16_matmul(x, strided_copy(qweight), strided_copy(scale)), want)
+    qweight, scales, zeros = quantize_int4(w, 64)
+    want = w4a16_matmul_ref(x, qweight, scales, zeros, 64)
+    assert_close(w4a16_matmul(x, strided_copy(qweight), strided_copy(scales), strided_copy(zeros), 64), want)
 
 
 def test_references_stay_within_quantization_error(gen):
