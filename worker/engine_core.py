@@ -110,7 +110,7 @@ class EfficiencyWindow:
 class StepStats:
     """One step, for the live metrics: the engine's state after it and the step's own counts."""
 
-    seconds: float
+    seconds: float | None  # None: no step ran, only the state changed (requests were aborted)
     num_running: int
     num_waiting: int
     kv_blocks_used: int
@@ -175,6 +175,13 @@ def freeze_heap() -> None:
     gc.collect()
     gc.freeze()
     gc.set_threshold(YOUNG_GC_THRESHOLD, *gc.get_threshold()[1:])
+
+
+def _latencies(finished: list[RequestOutput]) -> list[tuple[float, float]]:
+    """(TTFT, end to end) of finished requests. Their arrival is the request's creation on the API host's clock: one
+    ahead of this host's must not give negative figures (the stored results are clamped likewise, gpu_worker)."""
+    return [(max(m.first_token_time - m.arrival_time, 0.0), max(m.finish_time - m.arrival_time, 0.0))
+            for m in (o.metrics for o in finished) if m.first_token_time is not None]
 
 
 def _send_failure(reports: Connection, error: BaseException) -> None:
@@ -243,12 +250,14 @@ class EngineCore:
         if record is None:
             return
         self._account(delta)
-        bm = engine.block_manager
-        self.report.step = StepStats(
-            record.seconds, len(engine.scheduler.running), engine.scheduler.num_waiting, bm.num_used_blocks,
-            bm.num_blocks, record.num_generated, delta["num_prefill_tokens"], delta["num_preemptions"],
-            [(o.metrics.first_token_time - o.metrics.arrival_time, o.metrics.finish_time - o.metrics.arrival_time)
-             for o in finished if o.metrics.first_token_time is not None])
+        self.report.step = self._stats(record.seconds, record.num_generated, delta["num_prefill_tokens"],
+                                       delta["num_preemptions"], _latencies(finished))
+
+    def _stats(self, seconds: float | None, generated: int = 0, prefill: int = 0, preemptions: int = 0,
+               latencies: list[tuple[float, float]] | None = None) -> StepStats:
+        engine, bm = self.engine, self.engine.block_manager
+        return StepStats(seconds, len(engine.scheduler.running), engine.scheduler.num_waiting, bm.num_used_blocks,
+                         bm.num_blocks, generated, prefill, preemptions, latencies or [])
 
     def _account(self, delta: dict[str, int]) -> None:
         w, record, config = self.window, self.engine.last_step, self.engine.config
@@ -277,6 +286,10 @@ class EngineCore:
             self.report.window = window
 
     def _flush(self) -> None:
+        if self.report.cancelled and self.report.step is None:
+            # aborts free sequences and blocks, and an idle engine runs no step to say so: without this the live
+            # gauges would show the aborted requests running, and their KV blocks used, until the next request
+            self.report.step = self._stats(None)
         if self.report:
             self.reports.send(self.report)
             self.report = Report()

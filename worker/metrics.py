@@ -42,7 +42,8 @@ class EngineMetrics:
         self.generation_tokens.labels(m).inc(step.generated_tokens)
         self.prompt_tokens.labels(m).inc(step.prefill_tokens)
         self.preemptions.labels(m).inc(step.preemptions)
-        self.step.labels(m).observe(step.seconds)
+        if step.seconds is not None:  # None: requests were aborted, no step ran
+            self.step.labels(m).observe(step.seconds)
         for ttft, e2e in step.latencies:
             self.ttft.labels(m).observe(ttft)
             self.e2e.labels(m).observe(e2e)

@@ -149,6 +149,7 @@ class LLMEngine:
         if not plan.scheduled:
             self.last_step = None  # nothing ran: no record for the caller to count again
             return []
+        scheduled_at = time.time()  # a request's queue time ends here, not once its first step has run
         logits, sample_seqs = self.runner.run(plan.scheduled)
         tokens, logprobs = sample(logits, sample_seqs) if sample_seqs else ([], [])
         now = time.time()
@@ -156,7 +157,7 @@ class LLMEngine:
             decode = n == 1 and seq.num_computed_tokens >= seq.num_prompt_tokens
             self.counters["num_decode_tokens" if decode else "num_prefill_tokens"] += n
             seq.num_computed_tokens += n
-            seq.first_scheduled_time = seq.first_scheduled_time or now
+            seq.first_scheduled_time = seq.first_scheduled_time or scheduled_at
             self.block_manager.commit_full_blocks(seq)
         for seq, token, lp in zip(sample_seqs, tokens, logprobs):
             self._append(seq, token, lp, now)
