@@ -1,10 +1,10 @@
 """Delivering webhooks from the outbox: Standard Webhooks signatures, the SSRF guard, and attempts with backoff.
 
 `deliver` attempts one outbox row (msg_...): it claims the row with a conditional UPDATE, so that two workers never
-send it at once, POSTs it outside any transaction, then records the outcome. A 2xx ends it; anything else schedules
-the next attempt about 5 s, 10 s, 20 s ... later (doubling to at most an hour, times a random 0.5-1.5) until a day
-after the event, when the delivery is marked failed. Every attempt carries the same webhook-id, so that a receiver
-can drop repeats, and a fresh webhook-timestamp and signature.
+send it at once, POSTs it outside any transaction (for ATTEMPT_SECONDS at most, well within the claim), then records
+the outcome. A 2xx ends it; anything else schedules the next attempt about 5 s, 10 s, 20 s ... later (doubling to at
+most an hour, times a random 0.5-1.5) until a day after the event, when the delivery is marked failed. Every attempt
+carries the same webhook-id, so that a receiver can drop repeats, and a fresh webhook-timestamp and signature.
 
 The SSRF guard refuses URLs whose host resolves to an address that is not public (loopback, private, link-local
 such as the cloud metadata address 169.254.169.254, ...) unless SLUICE_WEBHOOK_ALLOW_PRIVATE=1, both when an
@@ -22,6 +22,7 @@ import json
 import os
 import random
 import socket
+import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -39,7 +40,8 @@ from api.schemas import storable
 FIRST_DELAY = 5.0
 MAX_DELAY = 3600.0
 GIVE_UP_AFTER = 24 * 3600.0
-TIMEOUT = 10.0
+TIMEOUT = 10.0  # each connect, read and write
+ATTEMPT_SECONDS = 30.0  # the whole POST, however slowly the receiver answers
 CLAIM_SECONDS = 60.0  # longer than any attempt: a worker that dies mid-attempt leaves the row due again after this
 ERROR_CHARS = 500
 
@@ -145,14 +147,63 @@ def _post(url: str, secret: str, msg_id: str, payload: dict) -> tuple[int | None
     userinfo = parts.netloc.rpartition("@")[0]
     pinned = parts._replace(netloc=(userinfo + "@" if userinfo else "") + f"{host}:{_port(parts)}").geturl()
     extensions = {"sni_hostname": parts.hostname} if parts.scheme == "https" else {}
+    cutoff = Cutoff(ATTEMPT_SECONDS)
     try:
-        with httpx.Client(timeout=TIMEOUT, follow_redirects=False, trust_env=False) as client:
-            response = client.post(pinned, content=body, headers=headers, extensions=extensions)
+        with cutoff, httpx.Client(timeout=TIMEOUT, follow_redirects=False, trust_env=False) as client:
+            response = client.post(pinned, content=body, headers=headers,
+                                   extensions=extensions | {"trace": cutoff.trace})
     except httpx.HTTPError as e:
+        if cutoff.fired:
+            return None, f"no complete answer within {ATTEMPT_SECONDS:g} s"
         return None, f"{type(e).__name__}: {e}"[:ERROR_CHARS]
     if 200 <= response.status_code < 300:
         return response.status_code, None
     return response.status_code, f"HTTP {response.status_code}: {response.text}"[:ERROR_CHARS]
+
+
+class Cutoff:
+    """Shuts an attempt's connections down once its time is up. httpx's timeouts bound each read, not their sum: a
+    receiver trickling its answer a byte at a time outlasted the claim, and the row, due again, was sent a second
+    time while the first attempt was still in flight (and a few such receivers could hold every webhooks thread)."""
+
+    def __init__(self, seconds: float):
+        self.sockets: list[socket.socket] = []
+        self.lock = threading.Lock()
+        self.fired = self.done = False
+        self.timer = threading.Timer(seconds, self.fire)
+        self.timer.daemon = True
+
+    def trace(self, event: str, info: dict) -> None:
+        """httpx's trace extension: note each connection's socket (the TLS one too) as it is opened."""
+        if event in ("connection.connect_tcp.complete", "connection.start_tls.complete"):
+            with self.lock:
+                self.sockets.append(info["return_value"].get_extra_info("socket"))
+                if self.fired:  # opened after the time ran out
+                    _shut(self.sockets[-1])
+
+    def fire(self) -> None:
+        with self.lock:
+            if not self.done:
+                self.fired = True
+                for sock in self.sockets:
+                    _shut(sock)
+
+    def __enter__(self) -> Cutoff:
+        self.timer.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        with self.lock:
+            self.done = True
+        self.timer.cancel()
+
+
+def _shut(sock: socket.socket) -> None:
+    """Wake the read blocked on it: the read fails, and so does the attempt."""
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:  # closed already, or the plain socket a TLS one was built on
+        pass
 
 
 def _record(session: Session, delivery_id: str, attempts: int, created_at: float, status_code: int | None,

@@ -1,5 +1,6 @@
 """One reconciliation pass: expire overdue batches, send again the requests whose message was lost, and publish
-the webhook deliveries that are due (new ones, and retries after a failed attempt).
+the webhook deliveries that this pass wrote or that stayed due, unattempted, for stale_seconds (their message was
+lost: a failed attempt's task sends the next one itself, with a countdown).
 
 Redis carries messages, not truth. A request lost its message when its worker died (the lease ran out) or when it
 waits (queued, or under a lease that ran out) while its model's queue holds no message at all (Redis restarted or
@@ -32,7 +33,7 @@ def reconcile_once(sessions: sessionmaker[Session], app: Celery, stale_seconds: 
             work = store.recover_expired_leases(session)
             idle = [m for m in store.models_with_waiting_requests(session) if queue_depth(app, model_queue(m)) == 0]
             work += store.republish_stale(session, stale_seconds, models=idle)
-            deliveries = store.new_deliveries(session) + store.due_deliveries(session, time.time())
+            deliveries = store.new_deliveries(session) + store.due_deliveries(session, time.time(), stale_seconds)
         return expired, work, list(dict.fromkeys(deliveries))
     expired, work, deliveries = retry_transient(transaction)
     sent = publish_chunks(app, work) if work else 0

@@ -11,7 +11,7 @@ import secrets
 import time
 from urllib.parse import urlsplit
 
-from sqlalchemy import delete, select
+from sqlalchemy import delete, select, update
 from sqlalchemy.orm import Session
 
 from api.models import WebhookDelivery, WebhookEndpoint
@@ -67,11 +67,15 @@ def list_deliveries(session: Session, endpoint_id: str, tenant_id: int, after: s
                 after, limit)
 
 
-def due_deliveries(session: Session, now: float, limit: int = 1000) -> list[str]:
-    """Ids of pending deliveries whose next attempt is due, oldest first: for the periodic sweep to publish."""
-    return list(session.scalars(select(WebhookDelivery.id)
-                                .where(WebhookDelivery.status == "pending", WebhookDelivery.next_attempt_at <= now)
-                                .order_by(WebhookDelivery.next_attempt_at).limit(limit)))
+def due_deliveries(session: Session, now: float, overdue: float = 0.0, limit: int = 1000) -> list[str]:
+    """Ids of pending deliveries due for more than `overdue` seconds (their message was lost), for the periodic sweep
+    to publish. The same UPDATE stamps them due as of `now`, so that neither a concurrent sweep nor the next ones send
+    them again unless they stay unattempted for `overdue` more seconds: every reconciler of every worker sweeps."""
+    due = (WebhookDelivery.status == "pending", WebhookDelivery.next_attempt_at <= now - overdue)
+    oldest = select(WebhookDelivery.id).where(*due).order_by(WebhookDelivery.next_attempt_at).limit(limit)
+    # `due` again on the row itself: a sweep that waited for a concurrent one's row lock re-checks it, and skips it
+    return list(session.scalars(update(WebhookDelivery).where(WebhookDelivery.id.in_(oldest), *due)
+                                .values(next_attempt_at=now).returning(WebhookDelivery.id)))
 
 
 def new_deliveries(session: Session) -> list[str]:

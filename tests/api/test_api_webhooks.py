@@ -1,10 +1,14 @@
 """Webhooks: endpoints through the API, deliveries signed per Standard Webhooks and verified by the openai SDK,
-retries with the same webhook-id, giving up after a day, and the SSRF guard at creation and at delivery."""
+retries with the same webhook-id, giving up after a day, the SSRF guard at creation and at delivery, and the
+reconcilers' sweep, which sends a delivery whose message was lost once, not once per reconciler and pass."""
 
 from __future__ import annotations
 
 import json
+import socket
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
@@ -13,9 +17,10 @@ from api_helpers import chat, finish, jsonl, request_ids
 from servers import Receiver
 from sqlalchemy import select, update
 
-from api import store
+from api import store, webhooks
 from api.models import WebhookDelivery
 from api.webhooks import GIVE_UP_AFTER, deliver, publish_deliveries
+from worker.reconcile import reconcile_once
 
 
 @pytest.fixture
@@ -220,3 +225,61 @@ def test_endpoint_ids_and_cursors_no_row_can_have_are_not_found(api, tenant_key,
     response = httpx.get(f"{base}/{endpoint}/deliveries", params={"after": "\x00"}, headers=headers(key))
     assert response.status_code == 400 and response.json()["error"]["param"] == "after"
     assert api.count("webhook_endpoints") == 1
+
+
+def test_the_sweep_sends_a_lost_delivery_once_whatever_the_number_of_reconcilers(api, tenant_key, openai_client,
+                                                                                   private_ok):
+    """Every worker reconciles every few seconds: each pass sent every due delivery again, so while the webhooks
+    worker was down a delivery gathered a message per worker and pass (thousands a day)."""
+    key = tenant_key()
+    register(api, key, "http://127.0.0.1:9/hook")
+    complete_a_batch(api, key, openai_client)
+    api.redis.delete("webhooks")  # the message sent after commit was lost
+
+    def sweep(times: int) -> int:
+        with ThreadPoolExecutor(4) as pool:  # four workers' reconcilers at once
+            list(pool.map(lambda _: reconcile_once(api.sessions, api.celery, stale_seconds=30), range(times)))
+        return api.redis.llen("webhooks")
+
+    assert sweep(4) == 0  # due for less than stale_seconds: its message may well be on its way
+    with api.sessions.begin() as session:
+        session.execute(update(WebhookDelivery).values(next_attempt_at=time.time() - 60))
+    assert sweep(8) == 1
+    [row] = deliveries(api)
+    assert row.status == "pending" and row.next_attempt_at > time.time() - 30  # still due, stamped as sent now
+    assert deliver(api.sessions, row.id).status == "pending"  # the message's attempt is not refused for the stamp
+
+
+def trickling_receiver(seconds: float) -> str:
+    """A receiver that answers one byte every half second for `seconds`: each read is quick, the answer is not."""
+    server = socket.create_server(("127.0.0.1", 0))
+
+    def answer() -> None:
+        with server, server.accept()[0] as conn:
+            conn.recv(65536)
+            conn.sendall(b"HTTP/1.1 200 OK\r\n")
+            try:
+                for _ in range(int(seconds * 2)):
+                    time.sleep(0.5)
+                    conn.sendall(b"x")
+                conn.sendall(b"-a: b\r\ncontent-length: 0\r\n\r\n")
+            except OSError:  # the sender hung up
+                pass
+    threading.Thread(target=answer, daemon=True).start()
+    return f"http://127.0.0.1:{server.getsockname()[1]}/hook"
+
+
+def test_an_attempt_ends_within_its_time_however_slowly_the_receiver_answers(api, tenant_key, openai_client,
+                                                                             private_ok, monkeypatch):
+    """The 10 s timeout bounds each read: a receiver trickling its answer kept an attempt going past its claim, and
+    the sweep then sent the delivery again while the first attempt was still in flight."""
+    monkeypatch.setattr(webhooks, "ATTEMPT_SECONDS", 2.0)
+    key = tenant_key()
+    register(api, key, trickling_receiver(8))
+    complete_a_batch(api, key, openai_client)
+    [pending] = deliveries(api)
+    start = time.time()
+    outcome = deliver(api.sessions, pending.id)
+    assert outcome.status == "pending" and time.time() - start < 5
+    [row] = deliveries(api)
+    assert row.last_error == "no complete answer within 2 s" and row.last_status_code is None
