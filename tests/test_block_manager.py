@@ -68,6 +68,18 @@ def test_hit_requires_identical_tokens_even_when_hashes_collide(monkeypatch):
     assert bm.match_prefix(other) == 0
 
 
+# two 4-token blocks with equal Python hash() (CPython's tuple hash), found by a birthday search in seconds
+COLLIDING = ([14571, 58961, 60645, 8234], [36695, 53933, 28465, 0])
+
+
+def test_a_block_computed_after_a_colliding_prefix_is_never_a_hit():
+    bm = BlockManager(8, BS)
+    a, b = COLLIDING
+    run_prefill(bm, seq([*a, 7]))
+    run_prefill(bm, seq([*b, 1, 2, 3, 4, 9]))  # its second block's K/V were computed after b, not a
+    assert bm.match_prefix(seq([*a, 1, 2, 3, 4, 11])) == BS  # only the first block is a's
+
+
 def test_unreferenced_cached_blocks_are_evicted_least_recently_used_first():
     bm = BlockManager(4, BS)
     a = seq([1, 2, 3, 4, 0])

@@ -160,3 +160,20 @@ def test_qwen2_max_window_layers_matches_transformers(tmp_path, tokenizer_dir, e
     prompts = make_prompts(transformers.AutoConfig.from_pretrained(str(path)).vocab_size, seed=8)[:12]
     got, _, _ = run_engine(path, prompts, **engine_kwargs)
     assert got == hf_greedy(path, prompts)
+
+
+def test_colliding_prefixes_share_no_kv(tmp_path, tokenizer_dir):
+    """Blocks whose token tuples collide in Python's hash(): a prompt must not be served the K/V of a block that was
+    computed after the other one (a request could poison another's prefix)."""
+    from worker.engine.demo import build_checkpoint
+
+    path = build_checkpoint(tmp_path, "LlamaForCausalLM", seed=1, tokenizer_dir=tokenizer_dir, vocab_size=65536)
+    a, b = [14571, 58961, 60645, 8234], [36695, 53933, 28465, 0]  # as in test_block_manager.COLLIDING
+    first, attacker, victim = [*a, 7], [*b, 101, 202, 303, 404, 9], [*a, 101, 202, 303, 404, 11]
+    llm = LLM(str(path), block_size=4)
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, detokenize=False)  # ids past the tokenizer
+    for prompt in (first, attacker):
+        llm.generate(prompt, params)
+    out = llm.generate(victim, params)[0]
+    assert out.token_ids == hf_greedy(path, [(victim, 4)])[0]
+    assert out.num_cached_tokens == 4  # the first block, which is a's

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 
@@ -12,13 +14,19 @@ from worker.engine.sequence import Sequence
 class Block:
     block_id: int
     ref_count: int = 0
-    hash: int | None = None
+    hash: bytes | None = None
     token_ids: tuple[int, ...] = ()
 
 
-def chain_hash(parent: int | None, token_ids: tuple[int, ...]) -> int:
-    """Hash of a full block given its parent's hash: equal hashes mean equal prefixes (verified on hit)."""
-    return hash((parent, token_ids))
+def chain_hash(parent: bytes | None, token_ids: tuple[int, ...]) -> bytes:
+    """SHA-256 of a full block's tokens after its parent's hash: equal hashes mean equal prefixes.
+
+    Not Python's hash(): token-id tuples that collide in it are found in seconds, and a hit checks only the block's
+    own tokens, so a crafted prompt could register a block whose K/V were computed after another prefix.
+    """
+    digest = hashlib.sha256(parent or b"")
+    digest.update(array("q", token_ids).tobytes())
+    return digest.digest()
 
 
 class BlockManager:
@@ -29,7 +37,7 @@ class BlockManager:
         self.free_ids: deque[int] = deque(range(num_blocks))
         # unreferenced blocks that still hold a cached prefix, least recently used first
         self.evictable: OrderedDict[int, None] = OrderedDict()
-        self.hash_to_block: dict[int, int] = {}
+        self.hash_to_block: dict[bytes, int] = {}
         self.prefix_queries = 0
         self.prefix_hits = 0
 

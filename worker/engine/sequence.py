@@ -42,7 +42,7 @@ class Sequence:
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
-    block_hashes: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)
     generator: torch.Generator | None = None
     finish_reason: str | None = None
     text: str | None = ""  # None: not detokenized (SamplingParams.detokenize)
