@@ -138,8 +138,9 @@ def test_stats_report_the_run(llm):
     assert after["weight_bytes"] > 0
 
 
-def test_arrival_time_is_kept(llm):
-    t = time.time() - 10
+@pytest.mark.parametrize("ago", [10.0, None])
+def test_arrival_time_is_kept(llm, ago):
+    t = 0.0 if ago is None else time.time() - ago  # 0.0 is a time, not "none given"
     llm.add_request("x", SamplingParams(max_tokens=1), "timed", arrival_time=t)
     assert drain(llm)["timed"].metrics.arrival_time == t
 

@@ -214,6 +214,13 @@ def test_max_model_len_beyond_the_model_is_refused(tmp_path, tokenizer_dir):
     assert LLM(str(path)).max_model_len == 64
 
 
+def test_a_max_model_len_under_one_is_refused():
+    from worker.engine.config import EngineConfig
+
+    with pytest.raises(ValueError, match="max_model_len must be >= 1"):
+        EngineConfig(model="m", max_model_len=0)
+
+
 def test_linear_rope_scaling_extends_max_model_len():
     from worker.engine.config import EngineConfig, ModelConfig
     from worker.engine.processor import max_model_len

@@ -38,8 +38,6 @@ class BlockManager:
         # unreferenced blocks that still hold a cached prefix, least recently used first
         self.evictable: OrderedDict[int, None] = OrderedDict()
         self.hash_to_block: dict[bytes, int] = {}
-        self.prefix_queries = 0
-        self.prefix_hits = 0
 
     @property
     def num_blocks(self) -> int:
@@ -64,7 +62,6 @@ class BlockManager:
         assert not seq.block_table
         if not self.enable_prefix_caching:
             return 0
-        self.prefix_queries += seq.num_tokens
         bs, parent = self.block_size, None
         for i in range((seq.num_tokens - 1) // bs):
             tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
@@ -76,9 +73,7 @@ class BlockManager:
             seq.block_table.append(block_id)
             seq.block_hashes.append(h)
             parent = h
-        hit = len(seq.block_table) * self.block_size
-        self.prefix_hits += hit
-        return hit
+        return len(seq.block_table) * self.block_size
 
     def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
         need = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)

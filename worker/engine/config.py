@@ -158,8 +158,9 @@ class EngineConfig:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
-        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
-            raise ValueError("num_kv_blocks must be >= 1")
+        for name in ("num_kv_blocks", "max_model_len"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
         if self.quantization not in (None, "int8", "int4"):
             raise ValueError(f"quantization must be None, 'int8' or 'int4', got {self.quantization!r}")
         if self.kv_cache_dtype not in ("auto", "int8"):

@@ -91,7 +91,7 @@ class LLMEngine:
             raise ValueError(f"request_id {request_id!r} is already in the engine")
         token_ids = self.encode(prompt)
         self.check(token_ids, params)
-        seq = Sequence(request_id, token_ids, params, arrival_time or time.time(), priority,
+        seq = Sequence(request_id, token_ids, params, time.time() if arrival_time is None else arrival_time, priority,
                        prompt if isinstance(prompt, str) else None)
         if params.seed is not None:
             seq.generator = torch.Generator(device=self.runner.device).manual_seed(params.seed)
