@@ -113,6 +113,10 @@ class ModelRunner:
         input_ids, positions, meta, logits_rows, sample_seqs = self._prepare(scheduled)
         hidden = self.model(input_ids, positions, self.caches, meta, keep=logits_rows)
         if not sample_seqs:
+            # nothing reads this step back, so wait for the device here: else its GPU time lands in the next step
+            # (whose _prepare syncs) and is charged to that step's sequences
+            if hidden.is_cuda:
+                torch.cuda.synchronize(hidden.device)
             return torch.empty(0), []
         return self.model.compute_logits(hidden), sample_seqs
 
