@@ -18,11 +18,13 @@ from api.webhooks import publish_deliveries
 log = logging.getLogger(__name__)
 
 
-def dispatch(app: Celery, work: list[Work], delivery_ids: list[str]) -> None:
+def dispatch(app: Celery, work: list[Work], delivery_ids: list[str]) -> int:
+    """Returns the number of chunk messages sent (0 when the broker refused them)."""
     try:
-        if work:
-            publish_chunks(app, work)
+        sent = publish_chunks(app, work) if work else 0
         if delivery_ids:
             publish_deliveries(app, delivery_ids)
     except OperationalError as e:
         log.warning("the broker refused messages (%s); they will be re-sent by the reconciler and delivery sweep", e)
+        return 0
+    return sent

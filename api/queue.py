@@ -59,6 +59,7 @@ def make_app(broker: str | None = None) -> Celery:
         task_reject_on_worker_lost=True,
         worker_prefetch_multiplier=1,  # a worker holds only the messages it is running
         broker_connection_retry_on_startup=True,
+        broker_connection_max_retries=None,  # a worker waits out a Redis outage however long (Celery: 100 tries)
         task_routes={DELIVER_WEBHOOK: {"queue": WEBHOOKS_QUEUE}, RECONCILE: {"queue": MAINTENANCE_QUEUE}},
         broker_transport_options={
             "visibility_timeout": VISIBILITY_TIMEOUT,

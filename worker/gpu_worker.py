@@ -24,8 +24,8 @@ from pydantic import ValidationError
 from sqlalchemy.orm import Session, sessionmaker
 
 from api import models, store
+from api.dispatch import dispatch
 from api.schemas import BODIES, response_body
-from api.webhooks import publish_deliveries
 from worker.bridge import EngineBridge, EngineNotRunning
 from worker.engine import LLMEngine, RequestOutput, RequestRejected
 from worker.engine_core import EfficiencyWindow, Submit, freeze_heap
@@ -254,8 +254,9 @@ class GpuWorker:
             with self.sessions.begin() as session:
                 result = work(session)
                 deliveries = store.new_deliveries(session)
-            if deliveries:
-                publish_deliveries(self.app, deliveries)
+            # committed: a broker that is down must not fail the chunk now (its results are stored); the delivery
+            # sweep sends them later
+            dispatch(self.app, [], deliveries)
             return result
         return retry_transient(transaction)
 

@@ -14,11 +14,12 @@ import logging
 import time
 
 from celery import Celery
+from kombu.exceptions import OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
 from api import store
-from api.queue import model_queue, publish_chunks, queue_depth
-from api.webhooks import publish_deliveries
+from api.dispatch import dispatch
+from api.queue import model_queue, queue_depth
 from worker.retry import retry_transient
 
 log = logging.getLogger(__name__)
@@ -27,18 +28,34 @@ STALE_SECONDS = 30.0  # a waiting request published this long ago, in an empty q
 
 def reconcile_once(sessions: sessionmaker[Session], app: Celery, stale_seconds: float = STALE_SECONDS) -> int:
     """Returns the number of chunk messages published."""
+    idle = _idle_models(app, retry_transient(lambda: _waiting_models(sessions)))
+
     def transaction():
         with sessions.begin() as session:
             expired = store.expire_batches(session)
             work = store.recover_expired_leases(session)
-            idle = [m for m in store.models_with_waiting_requests(session) if queue_depth(app, model_queue(m)) == 0]
             work += store.republish_stale(session, stale_seconds, models=idle)
             deliveries = store.new_deliveries(session) + store.due_deliveries(session, time.time(), stale_seconds)
         return expired, work, list(dict.fromkeys(deliveries))
     expired, work, deliveries = retry_transient(transaction)
-    sent = publish_chunks(app, work) if work else 0
-    publish_deliveries(app, deliveries)
+    sent = dispatch(app, work, deliveries)  # a broker that is down is logged: what was stamped is re-sent later
     if expired or sent:
         log.info("reconcile: expired %d batches, re-sent %d requests in %d messages", len(expired),
                  sum(len(w.request_ids) for w in work), sent)
     return sent
+
+
+def _waiting_models(sessions: sessionmaker[Session]) -> list[str]:
+    with sessions.begin() as session:
+        return store.models_with_waiting_requests(session)
+
+
+def _idle_models(app: Celery, models: list[str]) -> list[str]:
+    """The models whose queue holds no message. Asked before the pass's transaction, and none while the broker is
+    unreachable (it takes seconds to say so): expiring batches and recovering leases must not wait on Redis, nor
+    fail with it."""
+    try:
+        return [m for m in models if queue_depth(app, model_queue(m)) == 0]
+    except OperationalError as e:
+        log.warning("reconcile: cannot read the queues (%s); lost messages are re-sent once the broker is back", e)
+        return []

@@ -325,3 +325,51 @@ def test_a_chunk_claimed_after_the_engine_stopped_is_given_back(cluster):
         rows = s.execute(select(Request.status, Request.attempts, Request.lease_owner)
                          .where(Request.batch_id == batch_id)).all()
     assert rows == [("queued", 0, None)] * 2
+
+
+def broker_down():
+    from api.queue import make_app
+
+    return make_app(f"redis://127.0.0.1:{free_port()}/0")  # nothing listens there
+
+
+def test_a_broker_down_when_a_chunk_finishes_its_batch_fails_nothing(cluster):
+    """The chunk's transaction completed the batch and wrote its webhook delivery; publishing that delivery then
+    failed, and the task raised after its results were stored. Now it is logged and the sweep sends it later."""
+    from api.models import WebhookDelivery
+
+    with cluster.sessions.begin() as s:
+        store.create_webhook_endpoint(s, store.get_or_create_tenant(s, "acme").id, "https://example.com/hook")
+    batch_id = cluster.submit([completion(i, 2) for i in range(2)])
+    ids = request_ids(cluster, batch_id)
+    settings = WorkerSettings("tiny", str(cluster.model_dir), cpu_pinning=False, engine_threads=1,
+                              reconcile_seconds=600)
+    worker = GpuWorker(partial(LLMEngine, str(cluster.model_dir), num_kv_blocks=256), settings, cluster.sessions,
+                       broker_down())
+    worker.start()
+    try:
+        assert worker.run_chunk(ids) == ChunkOutcome(ids, [])
+    finally:
+        worker.close()
+    assert cluster.batch(batch_id)["status"] == "completed"
+    with cluster.sessions.begin() as s:
+        assert s.scalars(select(WebhookDelivery.status)).all() == ["pending"]
+
+
+def test_a_broker_down_does_not_stop_the_reconciler_expiring_batches(cluster):
+    from worker.reconcile import reconcile_once
+
+    waiting = cluster.submit([completion(0, 2)])  # its model's queue is asked for: the broker fails that
+    batch_id = cluster.submit([completion(i, 2) for i in range(2)])
+    with cluster.sessions.begin() as s:
+        s.execute(text("UPDATE batches SET expires_at = :t WHERE id = :id"), {"t": time.time() - 1, "id": batch_id})
+    assert reconcile_once(cluster.sessions, broker_down(), stale_seconds=0) == 0
+    assert cluster.batch(batch_id)["status"] == "expired"
+    assert cluster.batch(waiting)["status"] == "in_progress"
+
+
+def test_workers_wait_out_a_broker_outage_however_long():
+    from api.queue import make_app
+
+    conf = make_app("redis://127.0.0.1:6379/0").conf
+    assert conf.broker_connection_max_retries is None and conf.broker_connection_retry_on_startup
