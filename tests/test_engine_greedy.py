@@ -177,3 +177,22 @@ def test_colliding_prefixes_share_no_kv(tmp_path, tokenizer_dir):
     out = llm.generate(victim, params)[0]
     assert out.token_ids == hf_greedy(path, [(victim, 4)])[0]
     assert out.num_cached_tokens == 4  # the first block, which is a's
+
+
+def test_a_llama_configs_sliding_window_is_ignored_as_transformers_does(tmp_path, tokenizer_dir):
+    """Llamafied checkpoints may keep a sliding_window key; transformers' Llama attends in full regardless. Its
+    generate() is no reference here (its cache slides while its prefill does not), so the reference is argmax of
+    whole forwards without a cache."""
+    from worker.engine.demo import build_checkpoint
+
+    path = build_checkpoint(tmp_path, "LlamaForCausalLM", seed=3, tokenizer_dir=tokenizer_dir, sliding_window=8,
+                            initializer_range=0.1)
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    assert model.config.sliding_window == 8
+    prompt = list(range(5, 35))
+    want = list(prompt)
+    for _ in range(8):
+        with torch.no_grad():
+            want.append(int(model(torch.tensor([want]), use_cache=False).logits[0, -1].argmax()))
+    out = LLM(str(path)).generate([prompt], [SamplingParams(max_tokens=8, temperature=0)])[0]
+    assert out.token_ids == want[len(prompt):]

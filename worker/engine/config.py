@@ -75,7 +75,7 @@ class ModelConfig:
             rope_type = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
             _check_supported(raw, source)
             windows = layer_windows(raw, arch)
-            window = next((w for w in windows if w), None) if windows is not None else raw.get("sliding_window")
+            window = next((w for w in windows if w), None) if windows is not None else _mistral_window(raw, arch)
             llama_bias = arch == "LlamaForCausalLM" and raw.get("attention_bias", False)  # HF Mistral has none
             eos = raw.get("eos_token_id")
             return cls(
@@ -102,6 +102,12 @@ class ModelConfig:
             )
         except KeyError as e:
             raise ModelError(f"{source}: missing field {e.args[0]!r}") from None
+
+
+def _mistral_window(raw: dict, arch: str) -> int | None:
+    """Mistral's window. A Llama config may carry one too (llamafied Mistral or Qwen2 checkpoints), but transformers'
+    Llama attends in full whatever it says, as vLLM's does: sliding there computed another model."""
+    return raw.get("sliding_window") if arch == "MistralForCausalLM" else None
 
 
 def _check_supported(raw: dict, source: str) -> None:
