@@ -372,13 +372,18 @@ def chat_completion(gen: Generation, model: str) -> dict:
     }
 
 
+def _top_with_sampled(lp: TokenLogprob) -> dict[str, float]:
+    """OpenAI's completions always list the sampled token too: up to logprobs + 1 entries."""
+    return {**dict(lp.top), lp.token: lp.logprob}
+
+
 def text_completion(gen: Generation, model: str) -> dict:
     logprobs = None
     if gen.logprobs is not None:
         tokens = [lp.token for lp in gen.logprobs]
         offsets = list(accumulate(map(len, tokens), initial=0))[:-1]  # into the completion's text
         logprobs = {"tokens": tokens, "token_logprobs": [lp.logprob for lp in gen.logprobs],
-                    "top_logprobs": [dict(lp.top) for lp in gen.logprobs], "text_offset": offsets}
+                    "top_logprobs": [_top_with_sampled(lp) for lp in gen.logprobs], "text_offset": offsets}
     return {
         "id": _new_id("cmpl-"), "object": "text_completion", "created": gen.created, "model": model,
         "choices": [{"text": gen.text, "index": 0, "logprobs": logprobs, "finish_reason": gen.finish_reason}],

@@ -90,3 +90,13 @@ def test_error_line_shape():
     assert record["response"] is None and record["custom_id"] is None
     assert record["error"]["code"] == "invalid_json_line" and record["error"]["line"] == 9
     assert record["error"]["message"].startswith("line 9: not valid JSON")
+
+
+def test_completion_top_logprobs_always_hold_the_sampled_token():
+    """OpenAI's completions logprobs: "The API will always return the logprob of the sampled token, so there may be
+    up to logprobs+1 elements" in each top_logprobs entry (vLLM likewise); chat's top_logprobs are only the top."""
+    lps = [TokenLogprob("b", -2.0, [("a", -0.1)]), TokenLogprob("a", -0.1, [("a", -0.1)]), TokenLogprob("c", -3.0, [])]
+    text = text_completion(generation(logprobs=lps), "m")["choices"][0]["logprobs"]
+    assert text["top_logprobs"] == [{"a": -0.1, "b": -2.0}, {"a": -0.1}, {"c": -3.0}]
+    chat = chat_completion(generation(logprobs=lps), "m")["choices"][0]["logprobs"]["content"]
+    assert [[t["token"] for t in entry["top_logprobs"]] for entry in chat] == [["a"], ["a"], []]
