@@ -5,10 +5,15 @@ from __future__ import annotations
 
 import random
 
-from transformers import AutoTokenizer
+from tokenizers import Tokenizer, decoders, models, normalizers, processors
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from worker.engine import detokenizer
+from api.schemas import text_completion
+from worker.engine import RequestOutput, detokenizer
 from worker.engine.detokenizer import TokenText
+from worker.engine.outputs import RequestMetrics
+from worker.engine.sequence import TokenLogprobs
+from worker.translate import Responses
 
 
 def _text(token_text: TokenText, tokenizer, prompt: list[int], output: list[int]) -> str:
@@ -59,3 +64,58 @@ def test_text_is_transformers_decode_without_special_tokens(tokenizer_dir):
         output = [rng.choice(markers) if rng.random() < 0.2 else rng.choice(plain) for _ in range(30)]
         expected = tokenizer.decode(output, skip_special_tokens=True)
         assert _text(fast, tokenizer, prompt, output) == _text(wrapped, tokenizer, prompt, output) == expected
+
+
+def byte_fallback_tokenizer(path) -> PreTrainedTokenizerFast:
+    """A Llama-2-style SentencePiece BPE: "▁" for spaces, ASCII letters in the vocabulary and every other character
+    as byte-fallback tokens <0xNN> (so each CJK character is three tokens), decoded by ByteFallback and Fuse."""
+    letters = ["▁"] + [chr(c) for c in range(33, 127)]
+    vocab = {t: i for i, t in enumerate(["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256)), *letters])}
+    tok = Tokenizer(models.BPE(vocab, [], unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    tok.add_special_tokens(["<unk>", "<s>", "</s>"])
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>").save_pretrained(
+        path)
+    return AutoTokenizer.from_pretrained(path)
+
+
+def test_byte_fallback_text_after_a_prompt_of_multi_byte_characters(tmp_path):
+    """The prompt's last few tokens, decoded as context, may start inside a character; with byte-fallback tokens
+    that poisons the whole run of bytes, the output's included (ByteFallback decodes an invalid run as one U+FFFD
+    per byte), and the output's CJK text was lost. The text must be decode(prompt + output) less decode(prompt)."""
+    tokenizer = byte_fallback_tokenizer(tmp_path)
+    fast = TokenText.of(tokenizer)
+    wrapped = TokenText(tokenizer.convert_ids_to_tokens, tokenizer.convert_tokens_to_string, fast.special_ids)
+    for prompt_text, output_text in [("中文字", "符号"), ("ab 中文", "字 ok"), ("日本語", "のテキスト"), ("x", " 😀y")]:
+        prompt = tokenizer.encode(prompt_text)
+        output = tokenizer.encode(prompt_text + output_text)[len(prompt):]
+        assert len(prompt) > detokenizer.CONTEXT_TOKENS + 1 or prompt_text == "x"
+        whole, before = tokenizer.decode(prompt + output), tokenizer.decode(prompt)
+        assert whole.startswith(before)
+        expected = whole[len(before):]
+        assert _text(fast, tokenizer, prompt, output) == _text(wrapped, tokenizer, prompt, output) == expected
+
+
+def _output(prompt: list[int], output: list[int], top: int) -> RequestOutput:
+    logprobs = [TokenLogprobs(t, -1.0, [(t, -1.0), *((u, -2.0) for u in output[:top] if u != t)]) for t in output]
+    return RequestOutput("r", None, prompt, output, None, True, "length", 0,
+                         RequestMetrics(0.0, 0.0, 0.0, 1.0, 0.0, 0), logprobs)
+
+
+def test_logprob_tokens_keep_their_leading_spaces(tmp_path, tokenizer_dir):
+    """OpenAI's logprob tokens are pieces of the text: a completion's tokens join into its text and text_offset
+    indexes it. decode([id]) alone drops a SentencePiece token's leading space ("▁world" -> "world"), so "world"
+    and "▁world" also collapsed into one top_logprobs key."""
+    for tokenizer in (byte_fallback_tokenizer(tmp_path), AutoTokenizer.from_pretrained(tokenizer_dir)):
+        prompt, text = tokenizer.encode("Say"), " hello world, all ok"
+        output = tokenizer.encode("Say" + text)[len(prompt):]
+        gen = Responses(tokenizer).generation(_output(prompt, output, top=len(output)))
+        assert gen.text == text
+        logprobs = text_completion(gen, "m")["choices"][0]["logprobs"]
+        assert "".join(logprobs["tokens"]) == text
+        assert [text[i:].startswith(t) for i, t in zip(logprobs["text_offset"], logprobs["tokens"])] == [True] * len(
+            output)
+        assert all(len(top) == len(set(output)) for top in logprobs["top_logprobs"])  # distinct ids, distinct keys

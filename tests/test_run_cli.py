@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -145,6 +146,20 @@ def test_every_bad_line_is_reported_and_the_rest_runs(tmp_path, llama_dir):
     by_line = {e["error"]["line"]: e for e in errors}
     assert by_line[8]["custom_id"] == "t1" and by_line[8]["error"]["param"] == "body.temperature"
     assert by_line[2]["custom_id"] is None
+
+
+def test_a_chat_template_that_fails_is_an_error_line_per_chat_request(tmp_path, llama_dir):
+    """A template is code shipped with the model: any exception in it (here a TypeError, which is no Jinja
+    TemplateError) fails its lines with invalid_prompt, as vLLM answers 400, and the other lines still run."""
+    model = tmp_path / "model"
+    shutil.copytree(llama_dir, model)
+    (model / "chat_template.jinja").write_text("{{ messages | length + ' messages' }}")
+    code, bodies, errors = sluice_run(tmp_path / "run", [chat("c", max_tokens=2), completion("p", max_tokens=2)],
+                                      model)
+    assert (code, set(bodies)) == (1, {"p"})
+    [error] = [e["error"] for e in errors]
+    assert (error["code"], error["param"], error["line"]) == ("invalid_prompt", "body.messages", 1)
+    assert "the chat template failed" in error["message"] and "unsupported operand" in error["message"]
 
 
 def test_resume_after_a_kill_runs_each_request_once(tmp_path, llama_dir, monkeypatch, capsys):

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import time
 
-from jinja2 import TemplateError
 from transformers import PreTrainedTokenizerBase
 
 from api.schemas import CHAT_URL, PROMPT_FIELDS, Body, Generation, TokenLogprob, chat_messages, sampling_args
@@ -25,7 +24,7 @@ def engine_inputs(processor: InputProcessor, url: str, body: Body) -> tuple[list
     if url == CHAT_URL:
         try:
             token_ids = processor.encode_chat(chat_messages(body))
-        except (TemplateError, ValueError) as e:
+        except Exception as e:  # the template is the model's code: any error in it fails this line only (as vLLM)
             raise PromptError("invalid_prompt", f"the chat template failed: {e}", "body.messages") from None
     else:
         token_ids = processor.encode(body.prompt)
@@ -48,6 +47,9 @@ class Responses:
         self.tokenizer = tokenizer
         self.texts = TokenText.of(tokenizer)
         self.token_text: dict[int, str] = {}
+        # a token's text is read after this one: alone, decode() drops a SentencePiece token's leading space
+        self.anchor = tokenizer.encode("a", add_special_tokens=False)
+        self.anchor_text = tokenizer.decode(self.anchor)
 
     def generation(self, out: RequestOutput) -> Generation:
         logprobs = None
@@ -62,6 +64,11 @@ class Responses:
                           created=int(out.metrics.finish_time or time.time()), logprobs=logprobs)
 
     def _token(self, token_id: int) -> str:
+        """The token's text as a piece of the text around it (OpenAI's logprob tokens join into the text)."""
         if token_id not in self.token_text:
-            self.token_text[token_id] = self.tokenizer.decode([token_id])
+            text = self.tokenizer.decode([token_id])
+            if token_id not in self.texts.special_ids:
+                after = self.tokenizer.decode(self.anchor + [token_id])
+                text = after[len(self.anchor_text):] if after.startswith(self.anchor_text) else text
+            self.token_text[token_id] = text
         return self.token_text[token_id]

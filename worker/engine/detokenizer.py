@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 CONTEXT_TOKENS = 5  # prompt tokens decoded as context, so a first output token keeps its leading space
+MAX_CONTEXT_TOKENS = 24  # how far back the context may reach to start on a whole character (vLLM V1's bound)
 
 
 @dataclass(frozen=True)
@@ -83,10 +84,23 @@ def decode(tokenizer, text: TokenText, prompt_token_ids: list[int], token_ids: l
 
 
 def start(tokenizer, seq: State, text: TokenText) -> None:
-    context = text.tokens(tokenizer, seq.prompt_token_ids[-(CONTEXT_TOKENS + 1):])
-    seq.detok_tokens = [t for t in context if t is not None]
-    seq.prefix_offset = max(len(seq.detok_tokens) - CONTEXT_TOKENS, 0)
-    seq.read_offset = len(seq.detok_tokens)
+    seq.detok_tokens = _context(tokenizer, seq.prompt_token_ids, text)
+    seq.prefix_offset, seq.read_offset = 0, len(seq.detok_tokens)
+
+
+def _context(tokenizer, prompt: list[int], text: TokenText) -> list[str]:
+    """The last prompt tokens, at least CONTEXT_TOKENS, back to where they decode to whole characters (as vLLM V1
+    picks its prompt suffix): a context starting inside a character decodes to U+FFFD there, and ByteFallback
+    (Llama 2, Mistral) decodes a run of byte tokens with one invalid byte as U+FFFD throughout, the output's bytes
+    that continue the run included. A prompt ending inside a character keeps the shortest context."""
+    def tokens(n: int) -> list[str]:
+        return [t for t in text.tokens(tokenizer, prompt[-n:]) if t is not None]
+
+    for n in range(CONTEXT_TOKENS, min(len(prompt), MAX_CONTEXT_TOKENS) + 1):
+        context = tokens(n)
+        if "\ufffd" not in text.to_string(context):
+            return context
+    return tokens(CONTEXT_TOKENS)
 
 
 def append(text: TokenText, seq: State, token_id: int) -> str:
