@@ -3,7 +3,8 @@
 Bodies accept OpenAI's documented fields for /v1/chat/completions and /v1/completions plus four sluice extensions
 named as vLLM names them (top_k, min_p, ignore_eos, stop_token_ids). An unknown field, a wrong type or an
 out-of-range value is an error naming the field; a documented field sluice cannot honour (n > 1, stream, penalties,
-logit_bias, echo, suffix, best_of > 1, several prompts in one line) is an `unsupported_value` error. `model` is
+logit_bias, echo, suffix, best_of > 1, several prompts in one line, tools, structured outputs, audio, ...) is an
+`unsupported_value` error unless left at its default. `model`, `user`, `metadata`, `store` and `service_tier` are
 accepted and ignored: outputs carry the served model's name.
 
 Error codes: invalid_json_line, missing_required_parameter, unknown_parameter, invalid_value, unsupported_value,
@@ -64,7 +65,12 @@ class _SamplingBody(_Strict):
     presence_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    # documented fields that change nothing a batch line produces: accepted and ignored, as `user`
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
     stream: bool | None = None
+    stream_options: dict[str, Any] | None = None
     # sluice extensions
     top_k: int | None = Field(None, ge=-1)
     min_p: float | None = Field(None, ge=0, le=1)
@@ -88,6 +94,13 @@ class _SamplingBody(_Strict):
     def _no_stream(cls, v):
         if v:
             raise _unsupported("stream must be false in a batch")
+        return v
+
+    @field_validator("stream_options")
+    @classmethod
+    def _no_stream_options(cls, v):
+        if v is not None:
+            raise _unsupported("stream_options needs stream, which a batch line cannot have")
         return v
 
     @field_validator("frequency_penalty", "presence_penalty", "logit_bias")
@@ -127,6 +140,54 @@ class ChatBody(_SamplingBody):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    parallel_tool_calls: bool | None = None  # means nothing without tools
+    # documented fields sluice cannot honour: refused by name unless left at their default
+    response_format: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+    functions: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    function_call: str | dict[str, Any] | None = None
+    modalities: list[str] | None = None
+    audio: Any = None
+    prediction: Any = None
+    reasoning_effort: Any = None
+    web_search_options: Any = None
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_format(cls, v):
+        if v not in (None, {"type": "text"}):
+            raise _unsupported('only {"type": "text"}: structured outputs (json_object, json_schema) are not '
+                               "supported")
+        return v
+
+    @field_validator("tools", "functions")
+    @classmethod
+    def _no_tools(cls, v):
+        if v:
+            raise _unsupported("tool calling is not supported")
+        return v
+
+    @field_validator("tool_choice", "function_call")
+    @classmethod
+    def _no_tool_choice(cls, v):
+        if v not in (None, "none"):
+            raise _unsupported('tool calling is not supported; leave it out or set it to "none"')
+        return v
+
+    @field_validator("modalities")
+    @classmethod
+    def _text_only(cls, v):
+        if v not in (None, ["text"]):
+            raise _unsupported('only text output: leave it out or set it to ["text"]')
+        return v
+
+    @field_validator("audio", "prediction", "reasoning_effort", "web_search_options")
+    @classmethod
+    def _not_supported(cls, v):
+        if v is not None:
+            raise _unsupported("not supported; leave it out")
+        return v
 
     @model_validator(mode="after")
     def _consistent(self):

@@ -100,3 +100,26 @@ def test_completion_top_logprobs_always_hold_the_sampled_token():
     assert text["top_logprobs"] == [{"a": -0.1, "b": -2.0}, {"a": -0.1}, {"c": -3.0}]
     chat = chat_completion(generation(logprobs=lps), "m")["choices"][0]["logprobs"]["content"]
     assert [[t["token"] for t in entry["top_logprobs"]] for entry in chat] == [["a"], ["a"], []]
+
+
+def test_documented_fields_sluice_cannot_honour_are_unsupported_not_unknown():
+    chat = dict(url=CHAT_URL, messages=[{"role": "user", "content": "hi"}])
+    for field, value in [("response_format", {"type": "json_object"}), ("tools", [{"type": "function"}]),
+                         ("tool_choice", "auto"), ("functions", [{"name": "f"}]), ("function_call", "auto"),
+                         ("modalities", ["text", "audio"]), ("audio", {"voice": "alloy"}),
+                         ("reasoning_effort", "low"), ("stream_options", {"include_usage": True})]:
+        error = parse_line(line(**chat, **{field: value}), 1)
+        assert (error.code, error.param) == ("unsupported_value", f"body.{field}"), (field, error)
+    error = parse_line(line(prompt="p", stream_options={"include_usage": True}), 1)
+    assert (error.code, error.param) == ("unsupported_value", "body.stream_options")
+
+
+def test_documented_fields_left_at_their_default_or_inert_are_accepted():
+    request = parse_line(line(url=CHAT_URL, messages=[{"role": "user", "content": "hi"}], tools=[],
+                              tool_choice="none", response_format={"type": "text"}, modalities=["text"],
+                              parallel_tool_calls=False, metadata={"run": "7"}, store=False, service_tier="auto",
+                              user="u1"), 1)
+    assert isinstance(request, BatchRequest)
+    assert sampling_args(request.body, room=10) == {"max_tokens": 10, "logprobs": None}
+    assert parse_line(line(url=CHAT_URL, messages=[{"role": "user", "content": "hi"}], metadata={"n": 7}),
+                      1).code == "invalid_value"
