@@ -40,6 +40,16 @@ def _invalid(detail: str) -> PydanticCustomError:
     return PydanticCustomError("invalid_value", "{detail}", {"detail": detail})
 
 
+def _refused(*fields: str, detail: str, defaults: tuple = ()):
+    """A validator for documented fields sluice cannot honour: unsupported_value unless left out, empty, zero or
+    false, or at one of `defaults`."""
+    def check(cls, v):
+        if v and v not in defaults:
+            raise _unsupported(detail)
+        return v
+    return field_validator(*fields)(check)
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
@@ -89,26 +99,11 @@ class _SamplingBody(_Strict):
             raise _unsupported(f"n={v}: one choice per request; put each extra sample on its own line")
         return v
 
-    @field_validator("stream")
-    @classmethod
-    def _no_stream(cls, v):
-        if v:
-            raise _unsupported("stream must be false in a batch")
-        return v
-
-    @field_validator("stream_options")
-    @classmethod
-    def _no_stream_options(cls, v):
-        if v is not None:
-            raise _unsupported("stream_options needs stream, which a batch line cannot have")
-        return v
-
-    @field_validator("frequency_penalty", "presence_penalty", "logit_bias")
-    @classmethod
-    def _no_penalties(cls, v):
-        if v:
-            raise _unsupported("not supported; leave it out or set it to 0")
-        return v
+    _no_stream = _refused("stream", detail="stream must be false in a batch")
+    _no_stream_options = _refused("stream_options",
+                                  detail="stream_options needs stream, which a batch line cannot have")
+    _no_penalties = _refused("frequency_penalty", "presence_penalty", "logit_bias",
+                             detail="not supported; leave it out or set it to 0")
 
     @field_validator("top_k")
     @classmethod
@@ -153,41 +148,15 @@ class ChatBody(_SamplingBody):
     reasoning_effort: Any = None
     web_search_options: Any = None
 
-    @field_validator("response_format")
-    @classmethod
-    def _text_format(cls, v):
-        if v not in (None, {"type": "text"}):
-            raise _unsupported('only {"type": "text"}: structured outputs (json_object, json_schema) are not '
-                               "supported")
-        return v
-
-    @field_validator("tools", "functions")
-    @classmethod
-    def _no_tools(cls, v):
-        if v:
-            raise _unsupported("tool calling is not supported")
-        return v
-
-    @field_validator("tool_choice", "function_call")
-    @classmethod
-    def _no_tool_choice(cls, v):
-        if v not in (None, "none"):
-            raise _unsupported('tool calling is not supported; leave it out or set it to "none"')
-        return v
-
-    @field_validator("modalities")
-    @classmethod
-    def _text_only(cls, v):
-        if v not in (None, ["text"]):
-            raise _unsupported('only text output: leave it out or set it to ["text"]')
-        return v
-
-    @field_validator("audio", "prediction", "reasoning_effort", "web_search_options")
-    @classmethod
-    def _not_supported(cls, v):
-        if v is not None:
-            raise _unsupported("not supported; leave it out")
-        return v
+    _text_format = _refused("response_format", defaults=({"type": "text"},),
+                            detail='only {"type": "text"}: structured outputs (json_object, json_schema) are not '
+                                   "supported")
+    _no_tools = _refused("tools", "functions", "tool_choice", "function_call", defaults=("none",),
+                         detail='tool calling is not supported; leave it out or set tool_choice to "none"')
+    _text_only = _refused("modalities", defaults=(["text"],),
+                          detail='only text output: leave it out or set it to ["text"]')
+    _not_supported = _refused("audio", "prediction", "reasoning_effort", "web_search_options",
+                              detail="not supported; leave it out")
 
     @model_validator(mode="after")
     def _consistent(self):
@@ -217,12 +186,7 @@ class CompletionBody(_SamplingBody):
             return v
         raise _invalid("prompt must be a string or a non-empty list of token ids (integers >= 0)")
 
-    @field_validator("echo", "suffix")
-    @classmethod
-    def _no_echo_or_suffix(cls, v):
-        if v:
-            raise _unsupported("not supported; leave it out")
-        return v
+    _no_echo_or_suffix = _refused("echo", "suffix", detail="not supported; leave it out")
 
     @field_validator("best_of")
     @classmethod
