@@ -19,6 +19,11 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, model_config: ModelConfig, path: str, max_model_len: int):
         self.config, self.model_config = config, model_config
         self.device = config.torch_device()
+        if self.device.index is not None and self.device.type == "cuda":
+            # Triton launches on the current device, not on its tensors': with cuda:0 current, kernels given cuda:1
+            # tensors fail ("Pointer argument cannot be accessed from Triton"). Per thread: the engine's one thread
+            # both builds and steps it
+            torch.cuda.set_device(self.device)
         self.dtype = config.torch_dtype(model_config)
         self.block_size = config.block_size
         self.max_model_len = max_model_len
@@ -95,6 +100,7 @@ class ModelRunner:
         if cfg.kv_cache_memory is not None:
             blocks = cfg.kv_cache_memory // self.bytes_per_block()
         elif self.device.type == "cuda":
+            torch.cuda.empty_cache()  # what loading freed (quantization's float weights) is free, not PyTorch's cache
             free, _ = torch.cuda.mem_get_info(self.device)
             activations = cfg.max_num_batched_tokens * (self.model_config.intermediate_size * 2
                                                          + self.model_config.vocab_size) * 4
