@@ -15,7 +15,8 @@ from typing import Annotated, Literal
 from fastapi import APIRouter, File, Form, Query, UploadFile
 from fastapi.responses import Response, StreamingResponse
 from sqlalchemy.orm import Session, sessionmaker
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from api import store
 from api.auth import CallerDep
@@ -31,22 +32,46 @@ MULTIPART_SLACK = 64 * 1024  # room for the form's boundaries and the purpose fi
 CONTENT = {200: {"content": {"application/octet-stream": {}}, "description": "the file's bytes (JSONL)"}}
 
 
+class UploadTooLarge(ApiError, HTTPException):
+    """A 413 raised while the body is read: FastAPI lets an HTTPException out of its form parsing (any other error
+    becomes its 400), and the handler of ApiError, first in this class's MRO, answers it as the other refusals."""
+
+    def __init__(self, message: str):
+        HTTPException.__init__(self, 413, message)
+        self.status, self.message, self.param, self.code = 413, message, "file", "file_too_large"
+
+
 class UploadLimit:
-    """Refuses an upload whose Content-Length already exceeds the limit, before the server spools its body."""
+    """Refuses an upload whose Content-Length already exceeds the limit, before the server spools its body; and one
+    sent without a length (chunked) as soon as its body passes the limit, rather than once all of it is on disk."""
 
     def __init__(self, app: ASGIApp, max_bytes: int):
         self.app, self.max_bytes = app, max_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["method"] == "POST" and scope["path"] == router.prefix:
-            length = dict(scope["headers"]).get(b"content-length", b"0")
-            if length.isdigit() and int(length) > self.max_bytes + MULTIPART_SLACK:
-                response = error_response(413, f"the upload has {int(length)} bytes; files are limited to "
-                                               f"{self.max_bytes} bytes (SLUICE_MAX_FILE_BYTES)", "file",
-                                          "file_too_large")
-                await response(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
+        if not (scope["type"] == "http" and scope["method"] == "POST" and scope["path"] == router.prefix):
+            await self.app(scope, receive, send)
+            return
+        limit = self.max_bytes + MULTIPART_SLACK
+        length = dict(scope["headers"]).get(b"content-length", b"0")
+        if length.isdigit() and int(length) > limit:
+            await error_response(413, self._too_large(f"has {int(length)}"), "file", "file_too_large")(
+                scope, receive, send)
+            return
+        received = 0
+
+        async def counted() -> Message:
+            nonlocal received
+            message = await receive()
+            received += len(message.get("body", b""))
+            if received > limit:
+                raise UploadTooLarge(self._too_large(f"has more than {limit}"))
+            return message
+
+        await self.app(scope, counted, send)
+
+    def _too_large(self, size: str) -> str:
+        return f"the upload {size} bytes; files are limited to {self.max_bytes} bytes (SLUICE_MAX_FILE_BYTES)"
 
 
 @router.post("", response_model=FileObject, summary="Upload a batch input file",

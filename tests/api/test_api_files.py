@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
+import json
+
 import httpx
 import openai
 import pytest
-from api_helpers import chat, jsonl
+from api_helpers import TEST_SETTINGS, chat, jsonl
+
+from api.routes_files import MULTIPART_SLACK
+from api.server import create_app
 
 
 def test_upload_list_get_content_delete(api, tenant_key, openai_client):
@@ -68,6 +74,34 @@ def test_refused_uploads_store_nothing(api, tenant_key, openai_client, data, pur
     assert refused.value.body["code"] == code and words in refused.value.body["message"]
     assert set(refused.value.body) == {"message", "type", "param", "code"}
     assert api.counts() == before
+
+
+def test_an_upload_without_a_length_is_refused_as_it_passes_the_limit(api, tenant_key):
+    """A chunked upload has no Content-Length to refuse it by: the server read and spooled all of it (2 GB in 6 s)
+    before its route refused it; it stops reading once the body passes the limit."""
+    app = create_app(api.sessions, api.celery, TEST_SETTINGS)
+    head = (b'--B\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n--B\r\nContent-Disposition: '
+            b'form-data; name="file"; filename="in.jsonl"\r\n\r\n')
+    chunks = [head, *[b"x" * 65_536] * 160, b"\r\n--B--\r\n"]  # 10 MB; the limit is 100 kB
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+             "path": "/v1/files", "raw_path": b"/v1/files", "query_string": b"", "root_path": "",
+             "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80),
+             "headers": [(b"authorization", f"Bearer {tenant_key()}".encode()),
+                         (b"content-type", b"multipart/form-data; boundary=B"), (b"transfer-encoding", b"chunked")]}
+    read, sent = [], []
+
+    async def receive() -> dict:
+        read.append(chunks[len(read)])
+        return {"type": "http.request", "body": read[-1], "more_body": len(read) < len(chunks)}
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    asyncio.run(app(scope, receive, send))
+    assert sent[0]["status"] == 413
+    assert json.loads(sent[1]["body"])["error"]["code"] == "file_too_large"
+    assert sum(map(len, read)) <= TEST_SETTINGS.max_file_bytes + MULTIPART_SLACK + 65_536
+    assert api.count("files") == 0
 
 
 def test_a_file_with_some_bad_lines_is_accepted(api, tenant_key, openai_client):
