@@ -251,7 +251,8 @@ def add_submit_parser(commands) -> None:
         "submit", help="submit an OpenAI batch file to the queue",
         description="Store INPUT.jsonl, create a batch of its lines and queue them for the workers of the batch's "
                     "model. Prints the batch id as the last line. Bad lines go to the batch's error file; the batch "
-                    "fails only if the file is unusable (exit code 1).")
+                    "fails only if the file is unusable (exit code 1). Limits, as the API's: SLUICE_MAX_FILE_BYTES "
+                    "(200 MB), SLUICE_MAX_BATCH_LINES (50,000).")
     parser.add_argument("input", type=Path, metavar="INPUT.jsonl")
     parser.add_argument("--model", metavar="NAME",
                         help="the served model name to run on (default: the `model` of the lines, one for all)")
@@ -265,20 +266,23 @@ def add_submit_parser(commands) -> None:
 
 def submit_command(args: argparse.Namespace) -> int:
     check_readable(args.input)
-    try:
-        data = args.input.read_bytes()
-    except OSError as e:
-        raise os_problem(args.input, e) from None
     from kombu.exceptions import OperationalError
 
     from api import queue, store
+    from api.settings import Settings
 
+    try:
+        limits = Settings.from_env()  # the API's limits, so that a file either takes is a batch for both
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    data = read_limited(args.input, limits.max_file_bytes)
     priority = store.DEFAULT_PRIORITY if args.priority is None else args.priority
     try:
         with database() as session:
             batch, work = store.submit_jsonl(session, args.tenant or store.DEFAULT_TENANT, args.input.name, data,
-                                             model=args.model,
-                                             completion_window=args.completion_window, priority=priority)
+                                             model=args.model, completion_window=args.completion_window,
+                                             priority=priority, max_bytes=limits.max_file_bytes,
+                                             max_lines=limits.max_batch_lines)
             waiting = work is not None and not store.live_workers(session, work.model)
     except store.StoreError as e:
         raise UsageError(str(e)) from None
@@ -303,6 +307,18 @@ def submit_command(args: argparse.Namespace) -> int:
               file=sys.stderr)
     print(batch.id)
     return code
+
+
+def read_limited(path: Path, max_bytes: int) -> bytes:
+    """The file's bytes; a larger file than `max_bytes` is refused having read no more than that, not loaded whole."""
+    try:
+        with path.open("rb") as f:
+            data = f.read(max_bytes + 1)
+    except OSError as e:
+        raise os_problem(path, e) from None
+    if len(data) > max_bytes:
+        raise UsageError(f"{path} is larger than the limit of {max_bytes} bytes (SLUICE_MAX_FILE_BYTES)")
+    return data
 
 
 def add_status_parser(commands) -> None:

@@ -22,7 +22,7 @@ from sqlalchemy.orm import Session
 from api.models import Batch, Request, Result
 from api.schemas import BODIES, BatchRequest, BatchValidator, LineError, line_error, parse_line, valid_unicode
 from api.store.common import REQUEST_PREFIX, InvalidInput, error_result, insert_rows, new_id
-from api.store.files import file_content, get_file, store_file
+from api.store.files import MAX_FILE_BYTES, file_content, get_file, store_file
 from api.store.lifecycle import settle
 from api.store.tenants import get_or_create_tenant
 from api.store.webhooks import notify
@@ -130,12 +130,12 @@ def create_batch(session: Session, tenant_id: int, input_file_id: str, *, endpoi
     return batch, Work(batch.model, priority, queued)
 
 
-def submit_jsonl(session: Session, tenant: str, filename: str, data: bytes, **batch_options: Any
-                 ) -> tuple[Batch, Work | None]:
+def submit_jsonl(session: Session, tenant: str, filename: str, data: bytes, max_bytes: int = MAX_FILE_BYTES,
+                 **batch_options: Any) -> tuple[Batch, Work | None]:
     """Store `data` as the tenant's batch input file (creating the tenant if new) and create a batch from it: what
     `sluice submit` does in one transaction. `batch_options` are create_batch's."""
     owner = get_or_create_tenant(session, tenant)
-    file = store_file(session, owner.id, filename, "batch", data)
+    file = store_file(session, owner.id, filename, "batch", data, max_bytes)
     return create_batch(session, owner.id, file.id, **batch_options)
 
 

@@ -122,6 +122,33 @@ def test_results_keep_the_previous_files_when_writing_fails(tmp_path, cli_env, c
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl", "out.errors.jsonl", "out.jsonl"]
 
 
+def test_submit_keeps_the_apis_limits_and_reads_no_more_of_a_file_than_the_limit(tmp_path, cli_env, capsys,
+                                                                                 monkeypatch):
+    """`sluice submit` read a whole file before refusing it (a 1 GB file: 1.1 GB of memory) and took the default
+    limits whatever SLUICE_MAX_FILE_BYTES and SLUICE_MAX_BATCH_LINES said."""
+    source = tmp_path / "in.jsonl"
+    source.write_bytes(jsonl([chat(str(i)) for i in range(3)]))
+    monkeypatch.setenv("SLUICE_MAX_BATCH_LINES", "2")
+    code, out, err = sluice(capsys, "submit", source)
+    assert code == 1 and "the input file has 3 requests; a batch takes at most 2" in err
+    monkeypatch.setenv("SLUICE_MAX_FILE_BYTES", "100")
+    read, original = [], Path.open
+
+    def counted(path, *args, **kwargs):
+        file = original(path, *args, **kwargs)
+        whole = file.read
+        file.read = lambda size=-1: read.append(len(data := whole(size))) or data
+        return file
+    monkeypatch.setattr(Path, "open", counted)
+    monkeypatch.setattr(Path, "read_bytes", lambda path: counted(path, "rb").read())
+    code, out, err = sluice(capsys, "submit", source)
+    assert code == 2 and "larger than the limit of 100 bytes (SLUICE_MAX_FILE_BYTES)" in err and out == ""
+    assert read == [101]
+    monkeypatch.setenv("SLUICE_MAX_FILE_BYTES", "lots")
+    assert sluice(capsys, "submit", source)[2] == "sluice submit: SLUICE_MAX_FILE_BYTES='lots': give a whole number, " \
+                                                  "at least 1\n"
+
+
 def test_an_unreadable_input_is_named(tmp_path, cli_env, capsys, monkeypatch):
     source = tmp_path / "in.jsonl"
     source.write_bytes(jsonl([chat("a")]))
