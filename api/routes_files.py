@@ -28,6 +28,7 @@ from api.routes_batches import owned_batch
 
 router = APIRouter(prefix="/v1/files", tags=["files"])
 STREAM_LINES = 1000
+FILE_SLICE = 8 * 1024 * 1024  # bytes of a stored file read per transaction while downloading it
 MULTIPART_SLACK = 64 * 1024  # room for the form's boundaries and the purpose field around the file itself
 CONTENT = {200: {"content": {"application/octet-stream": {}}, "description": "the file's bytes (JSONL)"}}
 
@@ -122,9 +123,9 @@ def file_content(svc: ServicesDep, me: CallerDep, file_id: str) -> Response:
             owned_batch(session, batch_id, me.tenant_id)
         return StreamingResponse(_view_chunks(svc.sessions, batch_id, kind), media_type="application/octet-stream")
     with svc.sessions.begin() as session:
-        store.get_file(session, file_id, me.tenant_id)
-        data = store.file_content(session, file_id)
-    return Response(data, media_type="application/octet-stream")
+        size = store.get_file(session, file_id, me.tenant_id).bytes
+    return StreamingResponse(_file_slices(svc.sessions, file_id, size), media_type="application/octet-stream",
+                             headers={"content-length": str(size)})
 
 
 @router.delete("/{file_id}", response_model=FileDeleted, summary="Delete an uploaded file")
@@ -136,6 +137,16 @@ def delete_file(svc: ServicesDep, me: CallerDep, file_id: str) -> FileDeleted:
                                 "cannot be deleted on its own", "file_id", "invalid_value")
         store.delete_file(session, file_id, me.tenant_id)
     return FileDeleted(id=file_id, deleted=True)
+
+
+def _file_slices(sessions: sessionmaker[Session], file_id: str, size: int) -> Iterator[bytes]:
+    """A stored file's bytes, a slice per transaction; a file deleted meanwhile ends short of its Content-Length."""
+    for start in range(0, size, FILE_SLICE):
+        with sessions.begin() as session:
+            data = store.file_slice(session, file_id, start, FILE_SLICE)
+        if not data:
+            return
+        yield data
 
 
 def _view_chunks(sessions: sessionmaker[Session], batch_id: str, kind: str) -> Iterator[bytes]:

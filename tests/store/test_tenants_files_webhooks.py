@@ -64,3 +64,13 @@ def test_webhook_endpoints(sessions):
             store.create_webhook_endpoint(session, tenant.id, "https://example.com/hook", ["batch.done"])
         with pytest.raises(store.InvalidInput, match="url"):
             store.create_webhook_endpoint(session, tenant.id, "ftp://example.com/hook")
+
+
+def test_a_files_slices_join_into_its_bytes(sessions):
+    data = bytes(range(256)) * 40 + "é\x00\n".encode()  # every byte value, a NUL and a multi-byte character
+    with sessions.begin() as session:
+        file = store.store_file(session, store.get_or_create_tenant(session, "acme").id, "in.jsonl", "batch", data)
+        slices = [store.file_slice(session, file.id, start, 1000) for start in range(0, len(data), 1000)]
+        assert all(len(s) == 1000 for s in slices[:-1]) and b"".join(slices) == data
+        assert store.file_slice(session, file.id, len(data), 1000) == b""
+        assert store.file_slice(session, "file-gone", 0, 1000) == b""
