@@ -8,6 +8,7 @@ from typing import Annotated
 
 from fastapi import Depends
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from sqlalchemy.orm import Session, sessionmaker
 
 from api import store
 from api.deps import ServicesDep
@@ -24,15 +25,24 @@ class Caller:
 
 
 def caller(svc: ServicesDep, credentials: Credentials) -> Caller:
-    if credentials is None:
+    return authenticate(svc.sessions, credentials and credentials.credentials)
+
+
+def authenticate(sessions: sessionmaker[Session], key: str | None) -> Caller:
+    if key is None:
         raise ApiError(401, "no API key given: send the header `Authorization: Bearer <key>` (keys come from "
                             "`sluice keys create --tenant NAME`)", code="missing_api_key")
-    with svc.sessions.begin() as session:
-        tenant = store.resolve_api_key(session, credentials.credentials)
+    with sessions.begin() as session:
+        tenant = store.resolve_api_key(session, key)
     if tenant is None:
-        raise ApiError(401, f"incorrect API key provided: {_hint(credentials.credentials)} is unknown or revoked",
-                       code="invalid_api_key")
+        raise ApiError(401, f"incorrect API key provided: {_hint(key)} is unknown or revoked", code="invalid_api_key")
     return Caller(tenant.id, tenant.name)
+
+
+def bearer_key(headers: dict[bytes, bytes]) -> str | None:
+    """The key of raw ASGI headers, as HTTPBearer reads it: for a check before FastAPI has parsed the request."""
+    scheme, _, key = headers.get(b"authorization", b"").decode("latin-1").partition(" ")
+    return key.strip() or None if scheme.lower() == "bearer" else None
 
 
 def metrics_access(svc: ServicesDep, credentials: Credentials) -> None:

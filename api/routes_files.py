@@ -15,11 +15,12 @@ from typing import Annotated, Literal
 from fastapi import APIRouter, File, Form, Query, UploadFile
 from fastapi.responses import Response, StreamingResponse
 from sqlalchemy.orm import Session, sessionmaker
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from api import store
-from api.auth import CallerDep
+from api.auth import CallerDep, authenticate, bearer_key
 from api.deps import ServicesDep
 from api.errors import ApiError, ErrorResponse, error_response
 from api.models import File as FileRow
@@ -43,18 +44,26 @@ class UploadTooLarge(ApiError, HTTPException):
 
 
 class UploadLimit:
-    """Refuses an upload whose Content-Length already exceeds the limit, before the server spools its body; and one
-    sent without a length (chunked) as soon as its body passes the limit, rather than once all of it is on disk."""
+    """Refuses an upload before the server spools its body when its caller has no valid key (FastAPI reads a form
+    before it resolves the route's dependencies, so anyone could have a file spooled) or its Content-Length exceeds
+    the limit; and one sent without a length (chunked) as soon as its body passes the limit."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int):
-        self.app, self.max_bytes = app, max_bytes
+    def __init__(self, app: ASGIApp, max_bytes: int, sessions: sessionmaker[Session]):
+        self.app, self.max_bytes, self.sessions = app, max_bytes, sessions
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if not (scope["type"] == "http" and scope["method"] == "POST" and scope["path"] == router.prefix):
             await self.app(scope, receive, send)
             return
+        headers = dict(scope["headers"])
+        try:
+            await run_in_threadpool(authenticate, self.sessions, bearer_key(headers))
+        except ApiError as e:
+            await error_response(e.status, e.message, e.param, e.code, {"WWW-Authenticate": "Bearer"})(
+                scope, receive, send)
+            return
         limit = self.max_bytes + MULTIPART_SLACK
-        length = dict(scope["headers"]).get(b"content-length", b"0")
+        length = headers.get(b"content-length", b"0")
         if length.isdigit() and int(length) > limit:
             await error_response(413, self._too_large(f"has {int(length)}"), "file", "file_too_large")(
                 scope, receive, send)

@@ -70,7 +70,7 @@ def create_app(sessions: sessionmaker[Session], celery: Celery, settings: Settin
     app.state.services = svc
     app.state.metrics = make_registry(svc)
     errors.install(app)
-    app.add_middleware(routes_files.UploadLimit, max_bytes=svc.settings.max_file_bytes)
+    app.add_middleware(routes_files.UploadLimit, max_bytes=svc.settings.max_file_bytes, sessions=svc.sessions)
     for module in (routes_files, routes_batches, routes_requests, routes_usage, routes_webhooks):
         app.include_router(module.router, responses=ERRORS)
     app.include_router(ops)

@@ -91,18 +91,19 @@ def test_refused_uploads_store_nothing(api, tenant_key, openai_client, data, pur
     assert api.counts() == before
 
 
-def test_an_upload_without_a_length_is_refused_as_it_passes_the_limit(api, tenant_key):
-    """A chunked upload has no Content-Length to refuse it by: the server read and spooled all of it (2 GB in 6 s)
-    before its route refused it; it stops reading once the body passes the limit."""
+def chunked_upload(api, authorization: str | None) -> tuple[int, str, int]:
+    """POST a 10 MB file in chunks, with no Content-Length, straight to the ASGI app: (status, error code, bytes the
+    server read of the body)."""
     app = create_app(api.sessions, api.celery, TEST_SETTINGS)
     head = (b'--B\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n--B\r\nContent-Disposition: '
             b'form-data; name="file"; filename="in.jsonl"\r\n\r\n')
     chunks = [head, *[b"x" * 65_536] * 160, b"\r\n--B--\r\n"]  # 10 MB; the limit is 100 kB
+    auth = [(b"authorization", authorization.encode())] if authorization else []
     scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
              "path": "/v1/files", "raw_path": b"/v1/files", "query_string": b"", "root_path": "",
              "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80),
-             "headers": [(b"authorization", f"Bearer {tenant_key()}".encode()),
-                         (b"content-type", b"multipart/form-data; boundary=B"), (b"transfer-encoding", b"chunked")]}
+             "headers": [*auth, (b"content-type", b"multipart/form-data; boundary=B"),
+                         (b"transfer-encoding", b"chunked")]}
     read, sent = [], []
 
     async def receive() -> dict:
@@ -113,10 +114,24 @@ def test_an_upload_without_a_length_is_refused_as_it_passes_the_limit(api, tenan
         sent.append(message)
 
     asyncio.run(app(scope, receive, send))
-    assert sent[0]["status"] == 413
-    assert json.loads(sent[1]["body"])["error"]["code"] == "file_too_large"
-    assert sum(map(len, read)) <= TEST_SETTINGS.max_file_bytes + MULTIPART_SLACK + 65_536
+    return sent[0]["status"], json.loads(sent[1]["body"])["error"]["code"], sum(map(len, read))
+
+
+def test_an_upload_without_a_length_is_refused_as_it_passes_the_limit(api, tenant_key):
+    """A chunked upload has no Content-Length to refuse it by: the server read and spooled all of it (2 GB in 6 s)
+    before its route refused it; it stops reading once the body passes the limit."""
+    status, code, read = chunked_upload(api, f"Bearer {tenant_key()}")
+    assert (status, code) == (413, "file_too_large")
+    assert read <= TEST_SETTINGS.max_file_bytes + MULTIPART_SLACK + 65_536
     assert api.count("files") == 0
+
+
+@pytest.mark.parametrize("authorization, code", [(None, "missing_api_key"), ("Bearer sk-nobody", "invalid_api_key"),
+                                                 ("Basic dXNlcg==", "missing_api_key")])
+def test_an_upload_without_a_valid_key_is_refused_before_its_body_is_read(api, authorization, code):
+    """FastAPI parses a form before the route's dependencies: the key was checked only once the whole upload (up
+    to the size limit) had been spooled, so anyone could have the server spool files."""
+    assert chunked_upload(api, authorization) == (401, code, 0)
 
 
 def test_a_file_with_some_bad_lines_is_accepted(api, tenant_key, openai_client):
