@@ -57,8 +57,8 @@ def build(source: str, extra_flags: tuple[str, ...] = ()):
     """The compiled module of csrc/`source`, or None where it cannot be built (no compiler, not Linux/x86/ARM)."""
     from torch.utils.cpp_extension import _get_build_directory, load
 
-    name = extension_name(source, extra_flags)
     try:
+        name = extension_name(source, extra_flags)  # inside: a sources-less install falls back too
         build_dir = Path(_get_build_directory(name, verbose=False))  # TORCH_EXTENSIONS_DIR or torch's default
         with _exclusive(build_dir):
             return load(name, [str(CSRC / source)], extra_cflags=[*FLAGS, *extra_flags], extra_ldflags=["-fopenmp"],

@@ -27,3 +27,11 @@ def test_a_stale_torch_lock_does_not_hang_the_build(tmp_path):
     subprocess.run([sys.executable, "-c", check], check=True, timeout=60 if built else 600,
                    env={**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path)})
     assert not (build_dir / "lock").exists()
+
+
+def test_missing_sources_fall_back_to_pytorch_ops(monkeypatch, tmp_path):
+    """An install without the C++ sources (a wheel that left them out) must run on PyTorch ops, not crash."""
+    from kernels import cpu_build
+
+    monkeypatch.setattr(cpu_build, "CSRC", tmp_path)
+    assert cpu_build.build.__wrapped__(SOURCE, FLAGS) is None
