@@ -38,10 +38,15 @@ def test_gpu_worker_webhooks_worker_and_prometheus(compose):
     assert gpu["command"][:3] == ["sluice", "worker", "--model"] and gpu["command"][3].startswith("/models/")
     assert any(v.endswith(":/models:ro") for v in gpu["volumes"])
     [device] = gpu["deploy"]["resources"]["reservations"]["devices"]
-    assert device["driver"] == "nvidia" and device["capabilities"] == ["gpu"] and "replicas" in gpu["deploy"]
+    assert device["driver"] == "nvidia" and device["capabilities"] == ["gpu"] and device["count"] == 1
+    # Docker gives every replica of a `count: 1` reservation the host's first GPU: one GPU worker per service
+    assert "replicas" not in gpu["deploy"]
     assert gpu["build"]["args"]["EXTRAS"] == "gpu"
-    assert services["webhooks-worker"]["command"] == ["celery", "-A", "worker.celery_app", "worker", "-Q",
-                                                      "webhooks,maintenance", "-B"]
+    webhooks = services["webhooks-worker"]["command"]
+    assert webhooks[:7] == ["celery", "-A", "worker.celery_app", "worker", "-Q", "webhooks,maintenance", "-B"]
+    # beat writes its schedule file; the image's user cannot write its working directory (/app, root's)
+    assert webhooks[webhooks.index("--schedule-filename") + 1].startswith("/tmp/")
+    assert "USER sluice" in (ROOT / "Dockerfile").read_text()
     mounted = [v.split(":")[0] for v in services["prometheus"]["volumes"]]
     assert "./deploy/prometheus.yml" in mounted
     config = yaml.safe_load((ROOT / "deploy" / "prometheus.yml").read_text())
@@ -64,3 +69,15 @@ def test_docker_compose_config_validates():
     result = subprocess.run(["docker", "compose", "-f", "compose.yaml", "config", "--quiet"], cwd=ROOT,
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
+
+
+def test_sluice_commands_parse(compose):
+    """Every `sluice` command the services run has the flags `sluice <cmd> --help` lists (a wrong one exits 2)."""
+    from worker.cli import build_parser
+
+    parser = build_parser()
+    commands = [service["command"] for service in compose["services"].values()
+                if service.get("command", [None])[0] == "sluice"]
+    assert len(commands) == 3
+    for command in commands:
+        parser.parse_args(command[1:])
