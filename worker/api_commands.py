@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from worker.cli import UsageError, database, port
+from worker.cli import UsageError, database, port, read_settings
 
 
 def add_api_parser(commands) -> None:
@@ -21,8 +21,10 @@ def add_api_parser(commands) -> None:
 
 
 def api_command(args: argparse.Namespace) -> int:
+    from api.queue import chunk_size
     from api.server import serve
 
+    read_settings(chunk_size)  # else read only as a batch is published, after it was stored
     try:
         serve(args.host, args.port)
     except ValueError as e:  # a malformed SLUICE_* setting
@@ -61,11 +63,18 @@ def keys_create_command(args: argparse.Namespace) -> int:
 
 def keys_revoke_command(args: argparse.Namespace) -> int:
     from api import store
+    from api.store.tenants import KEY_PREFIX
 
     try:
         with database() as session:
             row = store.find_api_key(session, args.key)
             store.revoke_api_key(session, row.id)
+    except store.NotFound as e:
+        prefix = args.key[:len(KEY_PREFIX) + 4]
+        if args.key.startswith(KEY_PREFIX) and args.key != prefix:  # the key itself: neither echoed nor stored
+            raise UsageError(f"give the key's id (key_...) or its prefix ({prefix}), as `sluice keys create` printed "
+                             "them, not the key itself") from None
+        raise UsageError(str(e)) from None
     except store.StoreError as e:
         raise UsageError(str(e)) from None
     print(f"sluice keys: revoked {row.id} (prefix {row.prefix})", file=sys.stderr)

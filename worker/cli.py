@@ -52,6 +52,15 @@ def os_problem(path: Path, e: OSError) -> UsageError:
     return UsageError(f"{path}: {e.strerror or e}")
 
 
+def read_settings(*readers):
+    """The SLUICE_* settings a command needs, read before it stores or loads anything: a malformed one is one line
+    naming it (exit 2), not a traceback midway (after a batch was stored, or a model loaded)."""
+    try:
+        return [read() for read in readers]
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+
+
 def check_readable(path: Path) -> None:
     if not path.is_file():
         raise UsageError(f"input file {path} not found")
@@ -271,10 +280,8 @@ def submit_command(args: argparse.Namespace) -> int:
     from api import queue, store
     from api.settings import Settings
 
-    try:
-        limits = Settings.from_env()  # the API's limits, so that a file either takes is a batch for both
-    except ValueError as e:
-        raise UsageError(str(e)) from None
+    # the API's limits, so that a file either takes is a batch for both; the chunk size before the batch is stored
+    limits, _ = read_settings(Settings.from_env, queue.chunk_size)
     data = read_limited(args.input, limits.max_file_bytes)
     priority = store.DEFAULT_PRIORITY if args.priority is None else args.priority
     try:

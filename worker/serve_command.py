@@ -19,9 +19,10 @@ import threading
 from functools import partial
 from pathlib import Path
 
-from worker.cli import UsageError, add_engine_args, load_engine, port, served_model_name
+from worker.cli import UsageError, add_engine_args, load_engine, port, read_settings, served_model_name
 
 KEY_FILE = "api_key"
+BROKER_URL = "memory://localhost/"  # with its host named: kombu warns of a missing one at every connection
 
 
 def add_serve_parser(commands) -> None:
@@ -36,19 +37,23 @@ def add_serve_parser(commands) -> None:
 
 
 def serve_command(args: argparse.Namespace) -> int:
+    from api.queue import chunk_size
+    from api.settings import Settings
+    from api.store import gpu_hour_cost
+
+    settings, _, _ = read_settings(Settings.from_env, chunk_size, gpu_hour_cost)
     try:
         args.data_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:  # a file of that name, or no permission
         raise UsageError(f"--data-dir {args.data_dir}: {e.strerror or e}") from None
     # before anything reads them: worker.celery_app builds its Celery app from the environment at import
     os.environ["SLUICE_DATABASE_URL"] = f"sqlite:///{(args.data_dir / 'sluice.db').resolve()}"
-    os.environ["SLUICE_BROKER_URL"] = "memory://"
+    os.environ["SLUICE_BROKER_URL"] = BROKER_URL
     import uvicorn
 
     from api import db
     from api.queue import MAINTENANCE_QUEUE, WEBHOOKS_QUEUE, model_queue
     from api.server import create_app
-    from api.settings import Settings
     from worker.celery_app import app as celery
     from worker.gpu_worker import GpuWorker, WorkerSettings
     from worker.worker_command import serve_queues
@@ -61,7 +66,7 @@ def serve_command(args: argparse.Namespace) -> int:
     key = local_key(sessions, args.data_dir / KEY_FILE)
     name = served_model_name(args)
     worker = GpuWorker(partial(load_engine, args), WorkerSettings(name, args.model), sessions, celery).start()
-    api = create_app(sessions, celery, dataclasses.replace(Settings.from_env(), models=(name,)))
+    api = create_app(sessions, celery, dataclasses.replace(settings, models=(name,)))
     server = uvicorn.Server(uvicorn.Config(api, host=args.host, port=args.port, log_level=args.loglevel.lower()))
     threading.Thread(target=server.run, name="api", daemon=True).start()
     print(f"sluice serve: model {name!r} at http://{args.host}:{args.port}/v1 ; API key in "

@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import errno
 import json
+import logging
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from sqlalchemy import select
 from store_test_utils import chat, jsonl, ok, read_chunks
 
 from api import store
+from api.models import Batch
 from worker.cli import main
 
 
@@ -97,6 +100,54 @@ def test_mistakes_exit_2_with_a_message(tmp_path, cli_env, capsys, argv, message
     code, out, err = sluice(capsys, *(a.format(input=source, tmp=tmp_path) for a in argv))
     assert code == 2 and message in err and out == ""
     assert cli_env.keys("model.*") == []
+
+
+@pytest.mark.parametrize("argv, setting, value", [
+    (["submit", "{input}"], "SLUICE_CHUNK_SIZE", "0"),
+    (["worker", "--model", "demo"], "SLUICE_CHUNK_SIZE", "0"),
+    (["worker", "--model", "demo"], "SLUICE_GPU_HOUR_COST", "abc"),
+    (["serve", "--model", "demo", "--data-dir", "{tmp}/data"], "SLUICE_GPU_HOUR_COST", "-1"),
+    (["api"], "SLUICE_CHUNK_SIZE", "x"),
+])
+def test_a_malformed_setting_is_named_before_anything_is_stored_or_loaded(tmp_path, sessions, cli_env, capsys,
+                                                                          monkeypatch, argv, setting, value):
+    """`sluice submit` stored the batch, then failed with a traceback on SLUICE_CHUNK_SIZE as it published it;
+    `sluice worker` and `sluice serve` gave tracebacks (serve after loading its model); `sluice api` served and failed
+    each batch as it was created."""
+    def started(*args):
+        raise AssertionError("the API server started")
+    monkeypatch.setattr("api.server.serve", started)
+    monkeypatch.setenv(setting, value)
+    source = tmp_path / "in.jsonl"
+    source.write_bytes(jsonl([chat("a", model="tiny")]))
+    code, out, err = sluice(capsys, *(a.format(input=source, tmp=tmp_path) for a in argv))
+    assert code == 2 and err.startswith(f"sluice {argv[0]}: {setting}={value!r}: ") and len(err.splitlines()) == 1
+    assert out == "" and cli_env.keys("model.*") == [] and not (tmp_path / "data").exists()
+    with sessions.begin() as session:
+        assert session.scalars(select(Batch)).all() == []
+
+
+def test_keys_revoke_given_the_key_itself_asks_for_its_id_or_prefix(tmp_path, cli_env, capsys):
+    """The key is what `sluice keys create` prints on stdout; revoking with it answered 'not found' (and echoed it)."""
+    key = sluice(capsys, "keys", "create", "--tenant", "team-a")[1].splitlines()[-1]
+    code, out, err = sluice(capsys, "keys", "revoke", key)
+    assert code == 2 and key not in err
+    assert err == (f"sluice keys: give the key's id (key_...) or its prefix ({key[:14]}), as `sluice keys create` "
+                   "printed them, not the key itself\n")
+    assert sluice(capsys, "keys", "revoke", key[:14])[0] == 0
+    assert sluice(capsys, "keys", "revoke", "sk-sluice-none")[2] == "sluice keys: API key sk-sluice-none not found\n"
+
+
+def test_serve_names_the_host_of_its_in_memory_broker(caplog):
+    """kombu warned 'No hostname was supplied. Reverting to default 'localhost'' as `sluice serve` started and at
+    every message it re-sent."""
+    from kombu import Connection
+
+    from worker.serve_command import BROKER_URL
+
+    with caplog.at_level(logging.WARNING), Connection(BROKER_URL) as connection:
+        connection.ensure_connection()
+    assert connection.as_uri() == "memory://:**@localhost//" and caplog.records == []
 
 
 def submitted(tmp_path, capsys, lines: list) -> str:
