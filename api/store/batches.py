@@ -68,8 +68,9 @@ class _Rules:
             return request
         named = request.body.model
         if named is None:
-            return line_error(request.line, "missing_required_parameter", "required field is missing (or give the "
-                              "batch a model: sluice submit --model NAME)", request.custom_id, "body.model")
+            return line_error(request.line, "missing_required_parameter", "required field is missing: each line "
+                              "names its model (`sluice submit --model NAME` gives a whole file one)",
+                              request.custom_id, "body.model")
         if problem := _model_problem(named):
             return line_error(request.line, "invalid_value", problem, request.custom_id, "body.model")
         self.model = self.model or named
