@@ -8,6 +8,7 @@ follow the same order, 0 first and 9 last, which is also the engine's.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Iterable
 
@@ -37,6 +38,18 @@ def chunk_size() -> int:
     if not raw.isdigit() or int(raw) < 1:
         raise ValueError(f"SLUICE_CHUNK_SIZE={raw!r}: give a whole number of requests per message, at least 1")
     return int(raw)
+
+
+def reconcile_seconds() -> float:
+    """SLUICE_RECONCILE_SECONDS: how often celery beat schedules the reconciler (default 30)."""
+    raw = os.environ.get("SLUICE_RECONCILE_SECONDS") or "30"
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = math.nan
+    if not 0 < seconds < math.inf:
+        raise ValueError(f"SLUICE_RECONCILE_SECONDS={raw!r}: give a positive number of seconds")
+    return seconds
 
 
 def model_queue(served_model_name: str) -> str:

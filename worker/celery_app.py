@@ -6,11 +6,9 @@
 
 from __future__ import annotations
 
-import os
+from api.queue import RECONCILE, make_app, reconcile_seconds
 
-from api.queue import RECONCILE, make_app
-
-RECONCILE_SECONDS = float(os.environ.get("SLUICE_RECONCILE_SECONDS") or 30)
+RECONCILE_SECONDS = reconcile_seconds()  # read at import: beat takes its schedule from the app
 
 app = make_app()
 app.conf.include = ["worker.tasks"]

@@ -37,11 +37,11 @@ def add_serve_parser(commands) -> None:
 
 
 def serve_command(args: argparse.Namespace) -> int:
-    from api.queue import chunk_size
+    from api.queue import chunk_size, reconcile_seconds
     from api.settings import Settings
     from api.store import gpu_hour_cost
 
-    settings, _, _ = read_settings(Settings.from_env, chunk_size, gpu_hour_cost)
+    settings, *_ = read_settings(Settings.from_env, chunk_size, gpu_hour_cost, reconcile_seconds)
     try:
         args.data_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:  # a file of that name, or no permission

@@ -51,7 +51,9 @@ def worker_command(args: argparse.Namespace) -> int:
     from sqlalchemy.exc import SQLAlchemyError
 
     from api import db, store
-    from api.queue import chunk_size, model_queue
+    from api.queue import chunk_size, model_queue, reconcile_seconds
+
+    read_settings(chunk_size, store.gpu_hour_cost, reconcile_seconds)  # before worker.celery_app reads the last
     from worker.celery_app import app
     from worker.engine.config import EngineConfig
     from worker.gpu_worker import GpuWorker, WorkerSettings
@@ -62,7 +64,6 @@ def worker_command(args: argparse.Namespace) -> int:
         raise UsageError(f"--window-seconds must be positive, got {args.window_seconds}")
     if args.engine_nice is not None and not -20 <= args.engine_nice <= 19:
         raise UsageError(f"--engine-nice must be from -20 to 19, got {args.engine_nice}")
-    read_settings(chunk_size, store.gpu_hour_cost)
     logging.basicConfig(level=args.loglevel.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     name = served_model_name(args)
     settings = WorkerSettings(name, args.model, lease_seconds=args.lease_seconds,

@@ -108,6 +108,8 @@ def test_mistakes_exit_2_with_a_message(tmp_path, cli_env, capsys, argv, message
     (["worker", "--model", "demo"], "SLUICE_GPU_HOUR_COST", "abc"),
     (["serve", "--model", "demo", "--data-dir", "{tmp}/data"], "SLUICE_GPU_HOUR_COST", "-1"),
     (["api"], "SLUICE_CHUNK_SIZE", "x"),
+    (["worker", "--model", "demo"], "SLUICE_RECONCILE_SECONDS", "soon"),
+    (["serve", "--model", "demo", "--data-dir", "{tmp}/data"], "SLUICE_RECONCILE_SECONDS", "0"),
 ])
 def test_a_malformed_setting_is_named_before_anything_is_stored_or_loaded(tmp_path, sessions, cli_env, capsys,
                                                                           monkeypatch, argv, setting, value):
