@@ -8,7 +8,7 @@ transaction that moved it out of queued or running.
 from __future__ import annotations
 
 import time
-from collections import Counter
+from collections import Counter, defaultdict
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,7 +30,7 @@ from api.store.common import (
     lock_batches_of,
     update_requests,
 )
-from api.store.lifecycle import count_and_settle, settle
+from api.store.lifecycle import USAGE, count_and_settle, settle
 from api.store.recovery import MAX_ATTEMPTS
 from api.store.usage import cost
 
@@ -176,11 +176,16 @@ def write_results(session: Session, results: list[RequestResult], worker_id: str
         return []
     # none of them has a result yet: a result is written only by the transaction that moves its request out of
     # queued or running, and FINISH moved these (under their row locks) in this one
-    insert_rows(session, Result.__table__, [_result_row(by_id[i], worker_id, now) for i, _ in finished])
+    rows = {i: _result_row(by_id[i], worker_id, now) for i, _ in finished}
+    insert_rows(session, Result.__table__, list(rows.values()))
     completed = Counter(b for i, b in finished if by_id[i].error is None)
     failed = Counter(b for i, b in finished if by_id[i].error is not None)
+    usage: dict[str, dict[str, float]] = defaultdict(lambda: dict.fromkeys(USAGE, 0))
+    for request_id, batch_id in finished:  # the rows just inserted, and only those: as the batch's sums
+        for name in USAGE:
+            usage[batch_id][name] += rows[request_id][name]
     for batch_id in sorted(set(completed) | set(failed)):
-        count_and_settle(session, batch_id, completed[batch_id], failed[batch_id], now)
+        count_and_settle(session, batch_id, completed[batch_id], failed[batch_id], now, usage[batch_id])
     return sorted(request_id for request_id, _ in finished)
 
 

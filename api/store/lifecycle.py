@@ -40,9 +40,11 @@ END_CANCELLING = (update(Batch.__table__)
                   .where(BATCHES.id == BATCH, BATCHES.status == "cancelling",
                          ~exists().where(REQUESTS.batch_id == BATCH, REQUESTS.status.in_(("queued", "running"))))
                   .values(status="cancelled", cancelled_at=NOW).returning(BATCHES.tenant_id))
+USAGE = ("prompt_tokens", "cached_tokens", "completion_tokens", "gpu_seconds", "cost")  # a batch's usage_* sums
 COUNT_FINISHED = (update(Batch.__table__).where(BATCHES.id == BATCH).values(
     request_completed=BATCHES.request_completed + bindparam("completed"),
-    request_failed=BATCHES.request_failed + bindparam("failed"))
+    request_failed=BATCHES.request_failed + bindparam("failed"),
+    **{f"usage_{name}": BATCHES[f"usage_{name}"] + bindparam(name) for name in USAGE})
     .returning(BATCHES.status, BATCHES.request_completed + BATCHES.request_failed >= BATCHES.request_total))
 
 
@@ -56,17 +58,20 @@ def settle(session: Session, batch_id: str, now: float) -> str | None:
     return None
 
 
-def count_finished(session: Session, batch_id: str, completed: int, failed: int) -> tuple[str, bool]:
-    """Add to the batch's counters; returns its status and whether every request has now finished."""
-    status, done = session.execute(COUNT_FINISHED, {"batch": batch_id, "completed": completed,
-                                                    "failed": failed}).one()
+def count_finished(session: Session, batch_id: str, completed: int, failed: int,
+                   usage: dict[str, float] | None = None) -> tuple[str, bool]:
+    """Add to the batch's counters and usage sums (USAGE: by name, none for error results); returns its status and
+    whether every request has now finished."""
+    params = {"batch": batch_id, "completed": completed, "failed": failed, **dict.fromkeys(USAGE, 0), **(usage or {})}
+    status, done = session.execute(COUNT_FINISHED, params).one()
     return status, bool(done)
 
 
-def count_and_settle(session: Session, batch_id: str, completed: int, failed: int, now: float) -> str | None:
+def count_and_settle(session: Session, batch_id: str, completed: int, failed: int, now: float,
+                     usage: dict[str, float] | None = None) -> str | None:
     """count_finished(), then settle() only where it could end the batch: most chunks of a batch are not its last,
     and this runs for every chunk a worker finishes. Caller holds the batch's lock."""
-    status, done = count_finished(session, batch_id, completed, failed)
+    status, done = count_finished(session, batch_id, completed, failed, usage)
     if (status == "in_progress" and done) or status == "cancelling":
         return settle(session, batch_id, now)
     return None

@@ -37,13 +37,13 @@ def _sums():
             func.coalesce(func.sum(Result.gpu_seconds), 0.0), func.coalesce(func.sum(Result.cost), 0.0))
 
 
-def batch_usage(session: Session, batch_id: str) -> dict:
-    """The batch's `usage`: OpenAI's token fields, summed over its results, plus sluice's gpu_seconds and cost."""
-    _, prompt, cached, completion, gpu_seconds, total_cost = session.execute(
-        select(*_sums()).join(Request, Request.id == Result.request_id).where(Request.batch_id == batch_id)).one()
-    return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": cached},
+def batch_usage(batch: Batch) -> dict:
+    """The batch's `usage`: OpenAI's token fields, the sums over its results that the batch keeps, plus sluice's
+    gpu_seconds and cost."""
+    prompt, completion = batch.usage_prompt_tokens, batch.usage_completion_tokens
+    return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": batch.usage_cached_tokens},
             "output_tokens": completion, "output_tokens_details": {"reasoning_tokens": 0},
-            "total_tokens": prompt + completion, "gpu_seconds": gpu_seconds, "cost": total_cost}
+            "total_tokens": prompt + completion, "gpu_seconds": batch.usage_gpu_seconds, "cost": batch.usage_cost}
 
 
 @dataclass

@@ -63,7 +63,7 @@ def batch_view(session: Session, batch: Batch) -> dict:
         **{name: None if getattr(batch, name) is None else int(getattr(batch, name)) for name in TIMESTAMPS},
         "request_counts": {"total": batch.request_total, "completed": batch.request_completed,
                            "failed": batch.request_failed},
-        "metadata": batch.metadata_, "usage": batch_usage(session, batch.id),
+        "metadata": batch.metadata_, "usage": batch_usage(batch),
         "waiting_for_worker": batch.status == "in_progress" and unfinished > 0
                               and not live_workers(session, batch.model),
     }

@@ -7,7 +7,7 @@ from alembic import command
 from alembic.autogenerate import compare_metadata
 from alembic.config import Config
 from alembic.migration import MigrationContext
-from sqlalchemy import inspect
+from sqlalchemy import inspect, text
 
 from api import db
 from api.models import Base
@@ -40,4 +40,31 @@ def test_db_upgrade_command_is_repeatable_and_downgrades(tmp_path, monkeypatch, 
         config.attributes["connection"] = connection
         command.downgrade(config, "base")
     assert inspect(engine).get_table_names() == ["alembic_version"]
+    engine.dispose()
+
+
+def test_the_usage_migration_sums_the_results_of_batches_already_stored(tmp_path):
+    """0002 adds the batches' usage sums: a batch stored before it gets the sums of its results."""
+    engine = db.make_engine(f"sqlite:///{tmp_path / 'old.db'}")
+    db.upgrade(engine, "0001")
+    with engine.begin() as c:
+        c.execute(text("INSERT INTO tenants VALUES (1, 'acme', 0)"))
+        for batch_id in ("batch_a", "batch_b"):
+            c.execute(text("INSERT INTO batches (id, tenant_id, endpoint, input_file_id, completion_window, model, "
+                           "priority, status, request_total, request_completed, request_failed, created_at, "
+                           "expires_at) VALUES (:b, 1, '/v1/completions', 'file-x', '24h', 'tiny', 5, 'completed', "
+                           "2, 2, 0, 0, 0)"), {"b": batch_id})
+        for request_id, batch_id, prompt, gpu in ((1, "batch_a", 10, 1.5), (2, "batch_a", 5, 0.25),
+                                                  (3, "batch_b", 7, 2.0)):
+            c.execute(text("INSERT INTO requests (id, batch_id, line, custom_id, url, body, status, attempts, "
+                           "created_at) VALUES (:r, :b, :r, :r, '/v1/completions', '{}', 'completed', 1, 0)"),
+                      {"r": request_id, "b": batch_id})
+            c.execute(text("INSERT INTO results (request_id, status_code, prompt_tokens, cached_tokens, "
+                           "completion_tokens, gpu_seconds, cost, finished_at) VALUES (:r, 200, :p, 1, 3, :g, :g, 0)"),
+                      {"r": request_id, "p": prompt, "g": gpu})
+    db.upgrade(engine)
+    with engine.begin() as c:
+        rows = c.execute(text("SELECT id, usage_prompt_tokens, usage_cached_tokens, usage_completion_tokens, "
+                              "usage_gpu_seconds, usage_cost FROM batches ORDER BY id")).all()
+    assert [tuple(r) for r in rows] == [("batch_a", 15, 2, 6, 1.75, 1.75), ("batch_b", 7, 1, 3, 2.0, 2.0)]
     engine.dispose()

@@ -192,3 +192,26 @@ def test_a_result_page_reads_its_batchs_results_not_every_batchs_before_them(eng
         event.remove(engine, "before_cursor_execute", explain)
     assert len(page) == 100 and more and {r["custom_id"] for r in page} <= {f"n{i}" for i in range(300)}
     assert len(plans) == 1 and "ix_results_finished_at" not in plans[0], plans
+
+
+def test_a_batchs_usage_is_the_sum_of_its_results_whatever_writes_it_again(sessions):
+    """The batch keeps its usage sums as results are written: each equals the SQL sum over its results (a second
+    write of the same requests, with other numbers, changes neither), and one write's two batches sum apart."""
+    one, work_one = submit(sessions, [chat("a"), chat("b"), chat("bad", max_tokens=0)])
+    two, work_two = submit(sessions, [chat("c")])
+    a, b = work_one.request_ids
+    (c,) = work_two.request_ids
+    claim(sessions, [a, b, c], "w1")
+    write(sessions, [ok(a, prompt_tokens=10, cached_tokens=4, completion_tokens=6, gpu_seconds=2.0),
+                     ok(c, prompt_tokens=7, completion_tokens=1, gpu_seconds=0.5)], "w1")
+    write(sessions, [ok(a, prompt_tokens=99, completion_tokens=99, gpu_seconds=9.0), failed(b, 2)], "w1")
+    for batch_id in (one.id, two.id):
+        with sessions.begin() as session:
+            sums = session.execute(text(
+                "SELECT COALESCE(SUM(prompt_tokens), 0), COALESCE(SUM(cached_tokens), 0), "
+                "COALESCE(SUM(completion_tokens), 0), COALESCE(SUM(results.gpu_seconds), 0) FROM results JOIN "
+                "requests ON requests.id = results.request_id WHERE requests.batch_id = :b"), {"b": batch_id}).one()
+        usage = view(sessions, batch_id)["usage"]
+        assert (usage["input_tokens"], usage["input_tokens_details"]["cached_tokens"], usage["output_tokens"],
+                usage["gpu_seconds"]) == tuple(sums)
+    assert [view(sessions, batch_id)["usage"]["input_tokens"] for batch_id in (one.id, two.id)] == [10, 7]
