@@ -8,12 +8,12 @@ follow the same order, 0 first and 9 last, which is also the engine's.
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Iterable
 
 from celery import Celery
 
+from api.env import float_setting
 from api.store.batches import PRIORITIES, Work
 
 RUN_CHUNK = "sluice.run_chunk"
@@ -42,14 +42,8 @@ def chunk_size() -> int:
 
 def reconcile_seconds() -> float:
     """SLUICE_RECONCILE_SECONDS: how often celery beat schedules the reconciler (default 30)."""
-    raw = os.environ.get("SLUICE_RECONCILE_SECONDS") or "30"
-    try:
-        seconds = float(raw)
-    except ValueError:
-        seconds = math.nan
-    if not 0 < seconds < math.inf:
-        raise ValueError(f"SLUICE_RECONCILE_SECONDS={raw!r}: give a positive number of seconds")
-    return seconds
+    return float_setting("SLUICE_RECONCILE_SECONDS", os.environ.get("SLUICE_RECONCILE_SECONDS") or "30",
+                         lambda seconds: seconds > 0, "give a positive number of seconds")
 
 
 def model_queue(served_model_name: str) -> str:

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import datetime
-import math
 import os
 from dataclasses import dataclass
 
 from sqlalchemy import Integer, cast, func, select
 from sqlalchemy.orm import Session
 
+from api.env import float_setting
 from api.models import Batch, Request, Result
 
 DAY_SECONDS = 86_400
@@ -17,14 +17,8 @@ DAY_SECONDS = 86_400
 
 def gpu_hour_cost() -> float:
     """SLUICE_GPU_HOUR_COST, the price of one GPU-hour in the operator's currency (default 0: not priced)."""
-    raw = os.environ.get("SLUICE_GPU_HOUR_COST", "0")
-    try:
-        price = float(raw)
-    except ValueError:
-        price = math.nan
-    if not 0 <= price < math.inf:
-        raise ValueError(f"SLUICE_GPU_HOUR_COST={raw!r}: give the price of one GPU-hour as a number >= 0")
-    return price
+    return float_setting("SLUICE_GPU_HOUR_COST", os.environ.get("SLUICE_GPU_HOUR_COST", "0"), lambda price: price >= 0,
+                         "give the price of one GPU-hour as a number >= 0")
 
 
 def cost(gpu_seconds: float) -> float:
