@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import signal
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
@@ -283,21 +284,33 @@ def test_a_request_sent_again_to_the_worker_still_running_it_keeps_its_real_resu
     result: claimed a second time, the engine refused the duplicate id and that refusal was stored instead."""
     worker = engine_worker(cluster, lease_seconds=0.5, reconcile_seconds=600)
     monkeypatch.setattr(worker, "_renew_leases", lambda: None)  # the outage, for renewals
-    batch_id = cluster.submit([completion(0, 1500, ignore_eos=True)])
+    batch_id = cluster.submit([completion(0, 200, ignore_eos=True)])
     ids = request_ids(cluster, batch_id)
     worker.start()
+    # the first chunk waits on its request until the second message has come, however fast the machine runs it
+    second_came, submit_many = threading.Event(), worker.bridge.submit_many
+    monkeypatch.setattr(worker.bridge, "submit_many",
+                        lambda submits: [submit_many(submits), submits and second_came.wait(60)][0])
     try:
         first = ThreadPoolExecutor(1).submit(worker.run_chunk, ids)
-        time.sleep(1)
-        with cluster.sessions.begin() as s:  # the lease ran out: a reconciler sends the request again
-            assert s.scalar(select(Request.lease_expires_at)) < time.time()
+        deadline = time.time() + 30
+        while not lease_ran_out(cluster) and time.time() < deadline:  # a reconciler now sends the request again
+            time.sleep(0.05)
+        assert lease_ran_out(cluster)
         assert worker.run_chunk(ids) == ChunkOutcome([], [])
-        assert not first.done(), "the request finished before its second message: make it longer"
+        assert not first.done()
+        second_came.set()
         assert first.result(timeout=120) == ChunkOutcome(ids, [])
     finally:
         worker.close()
     (row,) = cluster.result_rows(batch_id)
-    assert row.error is None and row.completion_tokens == 1500
+    assert row.error is None and row.completion_tokens == 200
+
+
+def lease_ran_out(cluster) -> bool:
+    with cluster.sessions.begin() as s:
+        status, expires = s.execute(select(Request.status, Request.lease_expires_at)).one()
+    return status == "running" and expires < time.time()
 
 
 def test_a_chunk_claimed_after_the_engine_stopped_is_given_back(cluster):
