@@ -1,6 +1,7 @@
-# One image for every sluice service. The package depends on torch, so the API image takes its CPU wheel (the API
-# never imports it); the GPU worker image takes the CUDA wheel from PyPI, Triton, and a C compiler for Triton's
-# launcher stubs:
+# One image for every sluice service. The engine's packages (torch, transformers, ...) are the package's `engine`
+# extra, so the API image, which also runs the webhooks worker and migrations, has none; the GPU worker image takes
+# the CUDA wheel from PyPI, Triton, and a C compiler for Triton's launcher stubs (a CPU engine image: EXTRAS=engine,
+# whose torch comes from the default CPU index):
 #   docker build -t sluice:api .
 #   docker build -t sluice:gpu --build-arg TORCH_INDEX_URL=https://pypi.org/simple --build-arg EXTRAS=gpu \
 #                --build-arg APT_PACKAGES="gcc libc6-dev" .
@@ -14,8 +15,8 @@ ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 RUN if [ -n "$APT_PACKAGES" ]; then \
         apt-get update && apt-get install -y --no-install-recommends $APT_PACKAGES && rm -rf /var/lib/apt/lists/*; \
     fi
-# torch first and alone: the largest layer, rebuilt only when its version or index changes
-RUN pip install torch==2.13.0 --index-url "$TORCH_INDEX_URL"
+# an engine image's torch first and alone: the largest layer, rebuilt only when its version or index changes
+RUN if [ -n "$EXTRAS" ]; then pip install torch==2.13.0 --index-url "$TORCH_INDEX_URL"; fi
 
 WORKDIR /app
 COPY pyproject.toml README.md ./

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import sys
@@ -119,6 +120,18 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--kv-cache-dtype", choices=["auto", "int8"], help="int8 holds about twice the tokens")
 
 
+# the `engine` extra's packages by import name (pyproject.toml): `run`, `worker` and `serve` need them; an API host not
+ENGINE_PACKAGES = ("torch", "transformers", "tokenizers", "safetensors", "jinja2", "ninja")
+
+
+def require_engine() -> None:
+    """An API-only install (`pip install sluice`) has no engine: say what to install instead of a traceback."""
+    missing = [name for name in ENGINE_PACKAGES if importlib.util.find_spec(name) is None]
+    if missing:
+        raise UsageError(f"this command runs the engine, which needs {', '.join(missing)}: "
+                         "pip install 'sluice[engine]' (on a GPU host 'sluice[gpu]')")
+
+
 def load_engine(args: argparse.Namespace) -> LLMEngine:
     if args.model != "demo" and not Path(args.model).is_dir():
         raise UsageError(f"model directory {args.model} not found (give a checkpoint directory or 'demo')")
@@ -168,6 +181,7 @@ def default_errors_path(output: Path) -> Path:
 
 
 def run_command(args: argparse.Namespace) -> int:
+    require_engine()
     errors = args.errors or default_errors_path(args.output)
     check_readable(args.input)
     for path in (args.output, errors):

@@ -19,7 +19,7 @@ import threading
 from functools import partial
 from pathlib import Path
 
-from worker.cli import UsageError, add_engine_args, load_engine, port, read_settings, served_model_name
+from worker.cli import UsageError, add_engine_args, load_engine, port, read_settings, require_engine, served_model_name
 
 KEY_FILE = "api_key"
 BROKER_URL = "memory://localhost/"  # with its host named: kombu warns of a missing one at every connection
@@ -37,6 +37,7 @@ def add_serve_parser(commands) -> None:
 
 
 def serve_command(args: argparse.Namespace) -> int:
+    require_engine()
     from api.queue import chunk_size, reconcile_seconds
     from api.settings import Settings
     from api.store import gpu_hour_cost

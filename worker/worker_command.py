@@ -12,7 +12,16 @@ import argparse
 import logging
 from functools import partial
 
-from worker.cli import UsageError, add_engine_args, load_engine, make_db_engine, port, read_settings, served_model_name
+from worker.cli import (
+    UsageError,
+    add_engine_args,
+    load_engine,
+    make_db_engine,
+    port,
+    read_settings,
+    require_engine,
+    served_model_name,
+)
 
 
 def add_worker_parser(commands) -> None:
@@ -48,6 +57,7 @@ def add_worker_parser(commands) -> None:
 
 
 def worker_command(args: argparse.Namespace) -> int:
+    require_engine()
     from sqlalchemy.exc import SQLAlchemyError
 
     from api import db, store
