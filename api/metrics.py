@@ -6,6 +6,9 @@ sluice:kv_cache_usage_perc {model, worker}                          KV-cache use
 sluice:prompt_tokens_total, sluice:generation_tokens_total {model}  over every result
 sluice:time_to_first_token_seconds, sluice:e2e_request_latency_seconds {model}  histograms over every result
 sluice:queue_depth {model}                                          messages waiting in the model's Redis queue
+
+`model` is the batch's served model name. A batch whose every line failed validation, with no model given, has
+none: it is in no series (nothing of it ran), rather than in series labelled model="".
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ from api.queue import model_queue, queue_depth
 TTFT_BOUNDS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0, 1800.0)
 E2E_BOUNDS = (0.3, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0, 7200.0)
 BROKER_SECONDS = 2.0
+BY_MODEL = (", by their batch's served model (a batch whose every line failed validation ran nothing and is in no "
+            "series)")
 
 
 class SluiceCollector:
@@ -51,8 +56,8 @@ class SluiceCollector:
         for worker, model, use in kv:
             family.add_metric([model, worker], use)
         yield family
-        for index, name, doc in ((0, "prompt_tokens", "Prompt tokens of finished requests"),
-                                 (1, "generation_tokens", "Generated tokens of finished requests")):
+        for index, name, doc in ((0, "prompt_tokens", f"Prompt tokens of finished requests{BY_MODEL}"),
+                                 (1, "generation_tokens", f"Generated tokens of finished requests{BY_MODEL}")):
             family = CounterMetricFamily(f"sluice:{name}", doc, labels=["model"])
             for model, sums in tokens.items():
                 family.add_metric([model], sums[index])

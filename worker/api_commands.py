@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import datetime
 import sys
 
 from worker.cli import UsageError, database, port, read_settings
@@ -41,7 +42,10 @@ def add_keys_parser(commands) -> None:
                                             "stored.")
     create.add_argument("--tenant", required=True, metavar="NAME")
     create.set_defaults(handler=keys_create_command)
-    revoke = actions.add_parser("revoke", help="revoke a key: it is refused from now on")
+    revoke = actions.add_parser("revoke", help="revoke a key: it is refused from now on",
+                                description="Revoke an API key: it is refused from now on. A key already revoked is "
+                                            "left as it is and reported with the time it was revoked (exit code "
+                                            "0); an unknown key is an error (exit code 2).")
     revoke.add_argument("key", metavar="KEY_ID_OR_PREFIX", help="the key's id (key_...) or printed prefix")
     revoke.set_defaults(handler=keys_revoke_command)
 
@@ -68,7 +72,7 @@ def keys_revoke_command(args: argparse.Namespace) -> int:
     try:
         with database() as session:
             row = store.find_api_key(session, args.key)
-            store.revoke_api_key(session, row.id)
+            earlier = store.revoke_api_key(session, row.id)
     except store.NotFound as e:
         prefix = args.key[:len(KEY_PREFIX) + 4]
         if args.key.startswith(KEY_PREFIX) and args.key != prefix:  # the key itself: neither echoed nor stored
@@ -77,5 +81,10 @@ def keys_revoke_command(args: argparse.Namespace) -> int:
         raise UsageError(str(e)) from None
     except store.StoreError as e:
         raise UsageError(str(e)) from None
+    if earlier is not None:  # a no-op, not a failure (as `sluice db upgrade` at the latest schema): exit 0
+        since = datetime.datetime.fromtimestamp(earlier, datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+        print(f"sluice keys: {row.id} (prefix {row.prefix}) has been revoked since {since}; nothing changed",
+              file=sys.stderr)
+        return 0
     print(f"sluice keys: revoked {row.id} (prefix {row.prefix})", file=sys.stderr)
     return 0

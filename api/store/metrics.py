@@ -2,7 +2,9 @@
 latency histograms over the result rows, and each live worker's latest KV-cache use.
 
 The sums scan every result row at each scrape: exact across any number of API hosts and restarts, at a cost that
-grows with the table (a second or so per few million results).
+grows with the table (a second or so per few million results). A batch with no model (none was given and no line
+was valid, so none named one that was checked) is left out: nothing of it ran, its error results hold no tokens or
+latencies, and a series labelled model="" would name nothing an operator can act on.
 """
 
 from __future__ import annotations
@@ -13,11 +15,13 @@ from sqlalchemy.orm import Session
 from api.models import Batch, EfficiencyWindow, Request, Result
 from api.store.workers import live_workers
 
+HAS_MODEL = Batch.model != ""  # a batch whose every line failed validation may have none
+
 
 def requests_by_status(session: Session, statuses: tuple[str, ...]) -> dict[tuple[str, str], int]:
     """{(served model, status): number of requests}, for the given request statuses."""
     rows = session.execute(select(Batch.model, Request.status, func.count()).join(Batch, Batch.id == Request.batch_id)
-                           .where(Request.status.in_(statuses)).group_by(Batch.model, Request.status))
+                           .where(Request.status.in_(statuses), HAS_MODEL).group_by(Batch.model, Request.status))
     return {(model, status): count for model, status, count in rows}
 
 
@@ -26,7 +30,7 @@ def token_totals(session: Session) -> dict[str, tuple[int, int]]:
     rows = session.execute(select(Batch.model, func.coalesce(func.sum(Result.prompt_tokens), 0),
                                   func.coalesce(func.sum(Result.completion_tokens), 0))
                            .join(Request, Request.id == Result.request_id).join(Batch, Batch.id == Request.batch_id)
-                           .group_by(Batch.model))
+                           .where(HAS_MODEL).group_by(Batch.model))
     return {model: (prompt, completion) for model, prompt, completion in rows}
 
 
@@ -35,7 +39,7 @@ def latency_histogram(session: Session, column, bounds: tuple[float, ...]) -> di
     le = [func.sum(case((column <= bound, 1), else_=0)) for bound in bounds]
     rows = session.execute(select(Batch.model, *le, func.coalesce(func.sum(column), 0.0), func.count(column))
                            .join(Request, Request.id == Result.request_id).join(Batch, Batch.id == Request.batch_id)
-                           .where(column.is_not(None)).group_by(Batch.model))
+                           .where(column.is_not(None), HAS_MODEL).group_by(Batch.model))
     return {model: ([int(c) for c in counts], float(total), count) for model, *counts, total, count in rows}
 
 

@@ -58,11 +58,17 @@ def find_api_key(session: Session, key_id_or_prefix: str) -> ApiKey:
     return keys[0]
 
 
-def revoke_api_key(session: Session, key_id: str) -> None:
+def revoke_api_key(session: Session, key_id: str) -> float | None:
+    """Refuse the key from now on. Returns None when this call revoked it, or when it was revoked if it already was
+    (nothing changes then); an unknown key raises NotFound."""
     revoked = session.execute(update(ApiKey).where(ApiKey.id == key_id, ApiKey.revoked_at.is_(None))
                               .values(revoked_at=time.time()).returning(ApiKey.id)).first()
-    if revoked is None and session.get(ApiKey, key_id) is None:
+    if revoked is not None:
+        return None
+    earlier = session.scalar(select(ApiKey.revoked_at).where(ApiKey.id == key_id))
+    if earlier is None:
         raise NotFound(f"API key {key_id} not found")
+    return earlier
 
 
 def _hash(key: str) -> str:

@@ -90,6 +90,22 @@ def test_metrics_are_computed_from_the_database_and_redis(api, tenant_key, opena
         assert sample in text, sample
 
 
+def test_metrics_leave_out_a_batch_whose_every_line_failed_validation(api, tenant_key, openai_client):
+    client = openai_client(tenant_key())
+    failed = client.files.create(file=("bad.jsonl", jsonl([chat("a", temperature=9), chat("b", model=None)])),
+                                 purpose="batch")
+    batch = client.batches.create(input_file_id=failed.id, endpoint="/v1/chat/completions", completion_window="24h")
+    assert batch.status == "completed" and batch.request_counts.failed == 2  # no line ran: the batch has no model
+    good = client.files.create(file=("in.jsonl", jsonl([chat("c")])), purpose="batch")
+    finish(api.sessions, list(request_ids(api.sessions, client.batches.create(
+        input_file_id=good.id, endpoint="/v1/chat/completions", completion_window="24h").id).values()))
+    text = httpx.get(f"{api.url}/metrics").text
+    assert 'model=""' not in text, text
+    for sample in ('sluice:prompt_tokens_total{model="tiny"} 5.0', 'sluice:generation_tokens_total{model="tiny"} 2.0',
+                   'sluice:e2e_request_latency_seconds_count{model="tiny"} 1.0'):
+        assert sample in text, sample
+
+
 def test_metrics_token_when_configured(api):
     secured = create_app(api.sessions, api.celery, Settings(metrics_token="scrape-me"))
     with serve_app(secured) as url:

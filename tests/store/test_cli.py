@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import errno
 import json
 import logging
@@ -14,7 +15,7 @@ from sqlalchemy import select
 from store_test_utils import chat, jsonl, ok, read_chunks
 
 from api import store
-from api.models import Batch
+from api.models import ApiKey, Batch
 from worker.cli import main
 
 
@@ -138,6 +139,22 @@ def test_keys_revoke_given_the_key_itself_asks_for_its_id_or_prefix(tmp_path, cl
                    "printed them, not the key itself\n")
     assert sluice(capsys, "keys", "revoke", key[:14])[0] == 0
     assert sluice(capsys, "keys", "revoke", "sk-sluice-none")[2] == "sluice keys: API key sk-sluice-none not found\n"
+
+
+def test_keys_revoke_of_a_revoked_key_says_since_when_and_changes_nothing(sessions, cli_env, capsys):
+    """A second revoke printed 'revoked key_...' again, as if it had done something."""
+    err = sluice(capsys, "keys", "create", "--tenant", "team-a")[2]
+    key_id, prefix = err.split("created ")[1].split(" ")[0], err.split("(prefix ")[1].split(")")[0]
+    assert sluice(capsys, "keys", "revoke", prefix) == (0, "", f"sluice keys: revoked {key_id} (prefix {prefix})\n")
+    with sessions.begin() as session:
+        revoked_at = session.get(ApiKey, key_id).revoked_at
+    since = datetime.datetime.fromtimestamp(revoked_at, datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+    for again in (key_id, prefix):
+        assert sluice(capsys, "keys", "revoke", again) == (
+            0, "", f"sluice keys: {key_id} (prefix {prefix}) has been revoked since {since}; nothing changed\n")
+    with sessions.begin() as session:
+        assert session.get(ApiKey, key_id).revoked_at == revoked_at
+    assert sluice(capsys, "keys", "revoke", "key_nope") == (2, "", "sluice keys: API key key_nope not found\n")
 
 
 def test_serve_names_the_host_of_its_in_memory_broker(caplog):
