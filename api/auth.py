@@ -6,9 +6,11 @@ import hmac
 from dataclasses import dataclass
 from typing import Annotated
 
-from fastapi import Depends
+from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.orm import Session, sessionmaker
+from starlette.datastructures import Headers
+from starlette.types import Scope
 
 from api import store
 from api.deps import ServicesDep
@@ -16,6 +18,7 @@ from api.errors import ApiError
 
 bearer = HTTPBearer(auto_error=False, description="an API key from `sluice keys create --tenant NAME`")
 Credentials = Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]
+CHECKED = "sluice_checked_key"  # request state: (key, Caller) of a key authenticated before the request was parsed
 
 
 @dataclass(frozen=True)
@@ -24,8 +27,14 @@ class Caller:
     tenant: str
 
 
-def caller(svc: ServicesDep, credentials: Credentials) -> Caller:
-    return authenticate(svc.sessions, credentials and credentials.credentials)
+def caller(request: Request, svc: ServicesDep, credentials: Credentials) -> Caller:
+    """The caller of the request's key: the one a check before parsing (authenticate_scope) found for that very key,
+    else looked up now."""
+    key = credentials and credentials.credentials
+    checked = getattr(request.state, CHECKED, None)
+    if checked is not None and key is not None and checked[0] == key:
+        return checked[1]
+    return authenticate(svc.sessions, key)
 
 
 def authenticate(sessions: sessionmaker[Session], key: str | None) -> Caller:
@@ -39,9 +48,19 @@ def authenticate(sessions: sessionmaker[Session], key: str | None) -> Caller:
     return Caller(tenant.id, tenant.name)
 
 
-def bearer_key(headers: dict[bytes, bytes]) -> str | None:
-    """The key of raw ASGI headers, as HTTPBearer reads it: for a check before FastAPI has parsed the request."""
-    scheme, _, key = headers.get(b"authorization", b"").decode("latin-1").partition(" ")
+def authenticate_scope(sessions: sessionmaker[Session], scope: Scope) -> Caller:
+    """authenticate() for a check before FastAPI has parsed the request (the upload guard). The caller is kept, with
+    its key, in the request's ASGI state (a copy per request), where the route's `caller` finds it instead of looking
+    the same key up again."""
+    key = bearer_key(scope)
+    me = authenticate(sessions, key)
+    scope.setdefault("state", {})[CHECKED] = (key, me)
+    return me
+
+
+def bearer_key(scope: Scope) -> str | None:
+    """The key of an ASGI request's headers, read as HTTPBearer reads it (the first Authorization header)."""
+    scheme, _, key = (Headers(scope=scope).get("authorization") or "").partition(" ")
     return key.strip() or None if scheme.lower() == "bearer" else None
 
 

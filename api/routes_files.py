@@ -20,7 +20,7 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from api import store
-from api.auth import CallerDep, authenticate, bearer_key
+from api.auth import CallerDep, authenticate_scope
 from api.deps import ServicesDep
 from api.errors import ApiError, ErrorResponse, error_response
 from api.models import File as FileRow
@@ -56,8 +56,8 @@ class UploadLimit:
             await self.app(scope, receive, send)
             return
         headers = dict(scope["headers"])
-        try:
-            await run_in_threadpool(authenticate, self.sessions, bearer_key(headers))
+        try:  # the caller is kept in the request's state: the route's dependency does not look the key up again
+            await run_in_threadpool(authenticate_scope, self.sessions, scope)
         except ApiError as e:
             await error_response(e.status, e.message, e.param, e.code, {"WWW-Authenticate": "Bearer"})(
                 scope, receive, send)

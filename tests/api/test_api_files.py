@@ -175,3 +175,28 @@ def test_file_ids_and_filters_no_row_can_have_are_refused(api, tenant_key, opena
         response = httpx.get(f"{api.url}/v1/files", params={param: "a\x00"}, headers=auth)
         assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
     assert api.count("files") == 1
+
+
+def test_an_upload_looks_its_key_up_once(api, tenant_key):
+    """The upload guard authenticated the key before the body was read, and the route's dependency looked it up again:
+    two queries of api_keys per upload. The dependency now reuses the caller the guard found for that same key."""
+    from sqlalchemy import event
+
+    lookups = []
+
+    def count(conn, cursor, statement, parameters, context, executemany):
+        if statement.startswith("SELECT") and "api_keys" in statement:
+            lookups.append(statement)
+
+    headers = {"Authorization": f"Bearer {tenant_key('acme')}"}
+    engine = api.sessions.kw["bind"]
+    event.listen(engine, "before_cursor_execute", count)
+    try:
+        uploaded = httpx.post(f"{api.url}/v1/files", files={"file": ("in.jsonl", jsonl([chat("a")]))},
+                              data={"purpose": "batch"}, headers=headers)
+        assert uploaded.status_code == 200, uploaded.text
+        assert len(lookups) == 1, lookups
+        listed = httpx.get(f"{api.url}/v1/files", headers=headers).json()["data"]  # any other route: looked up, once
+        assert [f["id"] for f in listed] == [uploaded.json()["id"]] and len(lookups) == 2
+    finally:
+        event.remove(engine, "before_cursor_execute", count)
