@@ -108,6 +108,11 @@ class Batch(Base):
     usage_completion_tokens: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
     usage_gpu_seconds: Mapped[float] = mapped_column(default=0.0, server_default="0")
     usage_cost: Mapped[float] = mapped_column(default=0.0, server_default="0")
+    # the byte sizes of its output and error files, kept by the first metadata read once the batch has ended (its
+    # results never change after that), so that later reads do not render the whole file: 2-3 s of API CPU for 44,000
+    # lines (api.store.views.keep_file_bytes); null until then. A change to the files' line format must null them
+    output_bytes: Mapped[int | None] = mapped_column(BigInteger)
+    error_bytes: Mapped[int | None] = mapped_column(BigInteger)
     created_at: Mapped[float]
     in_progress_at: Mapped[float | None]
     expires_at: Mapped[float]
@@ -143,11 +148,18 @@ class Request(Base):
 
 
 class Result(Base):
-    """How a request ended: a response body, or an error {code, message, param} (plus custom_id for bad lines)."""
+    """How a request ended: a response body, or an error {code, message, param} (plus custom_id for bad lines).
+
+    batch_id and line repeat its request's, so that a batch's results page in finishing order (api.store.views
+    .result_page) reads ix_results_batch_finished_line from its cursor on, instead of sorting all the batch's results
+    for every page (75-200 ms for 50,000); no foreign key: the request's already ties the row to its batch."""
 
     __tablename__ = "results"
+    __table_args__ = (Index("ix_results_batch_finished_line", "batch_id", "finished_at", "line"),)
 
     request_id: Mapped[int] = mapped_column(BigId, ForeignKey("requests.id", ondelete="CASCADE"), primary_key=True)
+    batch_id: Mapped[str] = mapped_column(String(40))
+    line: Mapped[int]
     status_code: Mapped[int]
     response: Mapped[dict[str, Any] | None]
     error: Mapped[dict[str, Any] | None]

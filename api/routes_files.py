@@ -2,8 +2,9 @@
 
 A batch's output and error files (file-out-batch_..., file-err-batch_...) are views over its result rows: they are
 read and downloaded like uploads, streamed page by page in short transactions, partial while the batch runs, and
-not listed or deletable on their own. An upload that can only make a failed batch (empty, not JSONL, too many
-lines) is refused at once; a file with some bad lines is accepted, and those lines go to the batch's error file.
+not listed or deletable on their own; their size is counted by rendering them, and kept in the batch's row once it
+has ended. An upload that can only make a failed batch (empty, not JSONL, too many lines) is refused at once; a file
+with some bad lines is accepted, and those lines go to the batch's error file.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from api.errors import ApiError, ErrorResponse, error_response
 from api.models import File as FileRow
 from api.objects import FileDeleted, FileList, FileObject
 from api.routes_batches import owned_batch
+from api.store.views import keep_file_bytes, kept_file_bytes
 
 router = APIRouter(prefix="/v1/files", tags=["files"])
 STREAM_LINES = 1000
@@ -117,7 +119,11 @@ def get_file(svc: ServicesDep, me: CallerDep, file_id: str) -> FileObject:
         kind, batch_id = view
         with svc.sessions.begin() as session:
             batch = owned_batch(session, batch_id, me.tenant_id)
-        size = sum(len(chunk) for chunk in _view_chunks(svc.sessions, batch_id, kind))
+        size = kept_file_bytes(batch, kind)
+        if size is None:  # counted as downloaded; kept once the batch has ended, and read back after that
+            size = sum(len(chunk) for chunk in _view_chunks(svc.sessions, batch_id, kind))
+            with svc.sessions.begin() as session:
+                size = keep_file_bytes(session, batch, kind, size)
         return FileObject(id=file_id, bytes=size, created_at=int(batch.created_at),
                           filename=f"{batch_id}_{kind}.jsonl", purpose="batch_output", status="processed")
     with svc.sessions.begin() as session:

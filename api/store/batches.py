@@ -119,8 +119,8 @@ def create_batch(session: Session, tenant_id: int, input_file_id: str, *, endpoi
     session.flush()
     insert_rows(session, Request.__table__, [_request_row(batch.id, c, now) for c in checked])
     ids = session.scalars(select(Request.id).where(Request.batch_id == batch.id).order_by(Request.line)).all()
-    errors = [error_result(request_id, INVALID_STATUS_CODE, {"code": c.code, "message": c.message, "param": c.param,
-                                                             "custom_id": c.custom_id}, now)
+    errors = [error_result(request_id, batch.id, c.line, INVALID_STATUS_CODE,
+                           {"code": c.code, "message": c.message, "param": c.param, "custom_id": c.custom_id}, now)
               for request_id, c in zip(ids, checked) if isinstance(c, LineError)]
     insert_rows(session, Result.__table__, errors)
     queued = [request_id for request_id, c in zip(ids, checked) if isinstance(c, BatchRequest)]

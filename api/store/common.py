@@ -40,12 +40,14 @@ def new_id(prefix: str) -> str:
     return prefix + uuid.uuid4().hex
 
 
-def error_result(request_id: int, status_code: int, error: dict[str, Any], now: float) -> dict[str, Any]:
-    """A result row for a request that ends in an error without running (bad line, expiry)."""
-    return {"request_id": request_id, "status_code": status_code, "response": None, "error": error,
-            "prompt_tokens": 0, "cached_tokens": 0, "completion_tokens": 0, "queue_seconds": None,
-            "ttft_seconds": None, "e2e_seconds": None, "gpu_seconds": 0.0, "cost": 0.0, "worker_id": None,
-            "finished_at": now}
+def error_result(request_id: int, batch_id: str, line: int, status_code: int, error: dict[str, Any],
+                 now: float) -> dict[str, Any]:
+    """A result row for a request that ends in an error without running (bad line, expiry, lost workers); batch_id
+    and line are its request's."""
+    return {"request_id": request_id, "batch_id": batch_id, "line": line, "status_code": status_code,
+            "response": None, "error": error, "prompt_tokens": 0, "cached_tokens": 0, "completion_tokens": 0,
+            "queue_seconds": None, "ttft_seconds": None, "e2e_seconds": None, "gpu_seconds": 0.0, "cost": 0.0,
+            "worker_id": None, "finished_at": now}
 
 
 def insert(session: Session, model):

@@ -56,7 +56,7 @@ RENEW = (update_requests()
          .values(lease_expires_at=EXPIRES).returning(REQUESTS.id))
 FINISH = (update_requests().where(by_id(IDS, held_or_free(OWNER, NOW), batch_in(*ACCEPTING)))
           .values(status=bindparam("new_status"), lease_owner=None, lease_expires_at=None)
-          .returning(REQUESTS.id, REQUESTS.batch_id))
+          .returning(REQUESTS.id, REQUESTS.batch_id, REQUESTS.line))
 
 
 @dataclass
@@ -166,7 +166,7 @@ def write_results(session: Session, results: list[RequestResult], worker_id: str
         return []
     now = time.time()
     lock_batches_of(session, by_id)
-    finished: list[tuple[int, str]] = []
+    finished: list[tuple[int, str, int]] = []
     for status, ids in (("completed", [i for i, r in by_id.items() if r.error is None]),
                         ("failed", [i for i, r in by_id.items() if r.error is not None])):
         if ids:
@@ -176,22 +176,23 @@ def write_results(session: Session, results: list[RequestResult], worker_id: str
         return []
     # none of them has a result yet: a result is written only by the transaction that moves its request out of
     # queued or running, and FINISH moved these (under their row locks) in this one
-    rows = {i: _result_row(by_id[i], worker_id, now) for i, _ in finished}
+    rows = {i: _result_row(by_id[i], batch_id, line, worker_id, now) for i, batch_id, line in finished}
     insert_rows(session, Result.__table__, list(rows.values()))
-    completed = Counter(b for i, b in finished if by_id[i].error is None)
-    failed = Counter(b for i, b in finished if by_id[i].error is not None)
+    completed = Counter(b for i, b, _ in finished if by_id[i].error is None)
+    failed = Counter(b for i, b, _ in finished if by_id[i].error is not None)
     usage: dict[str, dict[str, float]] = defaultdict(lambda: dict.fromkeys(USAGE, 0))
-    for request_id, batch_id in finished:  # the rows just inserted, and only those: as the batch's sums
+    for request_id, batch_id, _ in finished:  # the rows just inserted, and only those: as the batch's sums
         for name in USAGE:
             usage[batch_id][name] += rows[request_id][name]
     for batch_id in sorted(set(completed) | set(failed)):
         count_and_settle(session, batch_id, completed[batch_id], failed[batch_id], now, usage[batch_id])
-    return sorted(request_id for request_id, _ in finished)
+    return sorted(request_id for request_id, _, _ in finished)
 
 
-def _result_row(r: RequestResult, worker_id: str, now: float) -> dict[str, Any]:
-    return {"request_id": r.request_id, "status_code": r.status_code, "response": r.response, "error": r.error,
-            "prompt_tokens": r.prompt_tokens, "cached_tokens": r.cached_tokens,
-            "completion_tokens": r.completion_tokens, "queue_seconds": r.queue_seconds,
-            "ttft_seconds": r.ttft_seconds, "e2e_seconds": r.e2e_seconds, "gpu_seconds": r.gpu_seconds,
-            "cost": cost(r.gpu_seconds), "worker_id": worker_id, "finished_at": now}
+def _result_row(r: RequestResult, batch_id: str, line: int, worker_id: str, now: float) -> dict[str, Any]:
+    """The result's row; batch_id and line are its request's (as FINISH returned them)."""
+    return {"request_id": r.request_id, "batch_id": batch_id, "line": line, "status_code": r.status_code,
+            "response": r.response, "error": r.error, "prompt_tokens": r.prompt_tokens,
+            "cached_tokens": r.cached_tokens, "completion_tokens": r.completion_tokens,
+            "queue_seconds": r.queue_seconds, "ttft_seconds": r.ttft_seconds, "e2e_seconds": r.e2e_seconds,
+            "gpu_seconds": r.gpu_seconds, "cost": cost(r.gpu_seconds), "worker_id": worker_id, "finished_at": now}

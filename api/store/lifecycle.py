@@ -116,8 +116,8 @@ def expire_batches(session: Session) -> list[str]:
                                .returning(Request.id, Request.line)).all()
         if rows:
             session.execute(insert(session, Result).on_conflict_do_nothing(), [
-                error_result(request_id, EXPIRED_STATUS_CODE, {"code": "batch_expired", "param": None,
-                                                               "message": f"line {line}: {EXPIRED_MESSAGE}"}, now)
+                error_result(request_id, batch_id, line, EXPIRED_STATUS_CODE, {
+                    "code": "batch_expired", "param": None, "message": f"line {line}: {EXPIRED_MESSAGE}"}, now)
                 for request_id, line in rows])
         count_finished(session, batch_id, 0, len(rows))
         notify(session, tenant_id, "batch.expired", batch_id, now)

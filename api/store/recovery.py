@@ -48,7 +48,7 @@ def _fail_exhausted(session: Session, now: float) -> None:
                                .values(status="failed", lease_owner=None, lease_expires_at=None)
                                .returning(Request.id, Request.line, Request.attempts)).all()
         session.execute(insert(session, Result.__table__).on_conflict_do_nothing(), [
-            error_result(request_id, WORKER_LOST_STATUS_CODE, {
+            error_result(request_id, batch_id, line, WORKER_LOST_STATUS_CODE, {
                 "code": "worker_lost", "param": None,
                 "message": f"line {line}: the worker running this request stopped {attempts} times (killed or "
                            "crashed); it is not tried again"}, now)
