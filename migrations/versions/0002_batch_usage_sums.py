@@ -30,6 +30,8 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
-    with op.batch_alter_table("batches") as batch:
+    # in place (SQLite 3.35+): batch mode's copy of the table would DROP the old batches, whose implicit DELETE
+    # cascades, foreign keys on, to every request and result
+    with op.batch_alter_table("batches", recreate="never") as batch:
         for column in SUMS:
             batch.drop_column(column)

@@ -3,10 +3,14 @@ declares (on PostgreSQL and SQLite), and `sluice db upgrade`."""
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
+import pytest
 from alembic import command
 from alembic.autogenerate import compare_metadata
 from alembic.config import Config
 from alembic.migration import MigrationContext
+from databases import postgres_database
 from sqlalchemy import inspect, text
 
 from api import db
@@ -68,3 +72,72 @@ def test_the_usage_migration_sums_the_results_of_batches_already_stored(tmp_path
                               "usage_gpu_seconds, usage_cost FROM batches ORDER BY id")).all()
     assert [tuple(r) for r in rows] == [("batch_a", 15, 2, 6, 1.75, 1.75), ("batch_b", 7, 1, 3, 2.0, 2.0)]
     engine.dispose()
+
+
+def downgrade(engine, revision: str) -> None:
+    config = Config(str(db.MIGRATIONS / "alembic.ini"))
+    with engine.begin() as connection:
+        config.attributes["connection"] = connection
+        command.downgrade(config, revision)
+
+
+@contextmanager
+def database_at(dialect: str, revision: str, tmp_path):
+    """An empty database of that dialect migrated to `revision`."""
+    if dialect == "sqlite":
+        engine = db.make_engine(f"sqlite:///{tmp_path / 'old.db'}")
+        db.upgrade(engine, revision)
+        yield engine
+        engine.dispose()
+        return
+    with postgres_database("sluice_migration") as url:  # migrated to the latest: back to `revision`
+        engine = db.make_engine(url)
+        downgrade(engine, revision)
+        yield engine
+        engine.dispose()
+
+
+@pytest.mark.parametrize("dialect", ["postgresql", "sqlite"])
+def test_the_results_migration_names_stored_results_batch_and_line_and_downgrades_keeping_them(dialect, tmp_path):
+    """0003 gives the results stored before it their request's batch and line (what result pages read), leaves the
+    batches' file sizes to be kept by their first read, and its downgrade keeps every row (on SQLite, a copy of the
+    batches table would have cascaded its DROP to every request and result)."""
+    with database_at(dialect, "0002", tmp_path) as engine:
+        with engine.begin() as c:
+            c.execute(text("INSERT INTO tenants VALUES (1, 'acme', 0)"))
+            for batch_id in ("batch_a", "batch_b"):
+                c.execute(text("INSERT INTO batches (id, tenant_id, endpoint, input_file_id, completion_window, "
+                               "model, priority, status, request_total, request_completed, request_failed, "
+                               "created_at, expires_at) VALUES (:b, 1, '/v1/completions', 'file-x', '24h', 'tiny', "
+                               "5, 'completed', 2, 2, 0, 0, 0)"), {"b": batch_id})
+            # request ids in another order than lines, and a request without a result
+            for request_id, batch_id, line in ((1, "batch_a", 2), (2, "batch_a", 1), (3, "batch_b", 7),
+                                               (4, "batch_b", 3)):
+                c.execute(text("INSERT INTO requests (id, batch_id, line, custom_id, url, body, status, attempts, "
+                               "created_at) VALUES (:r, :b, :l, :r, '/v1/completions', '{}', 'completed', 1, 0)"),
+                          {"r": request_id, "b": batch_id, "l": line})
+            for request_id in (1, 2, 3):
+                c.execute(text("INSERT INTO results (request_id, status_code, prompt_tokens, cached_tokens, "
+                               "completion_tokens, gpu_seconds, cost, finished_at) VALUES (:r, 200, 1, 0, 1, 0, 0, "
+                               ":r)"), {"r": request_id})
+        db.upgrade(engine)
+        with engine.begin() as c:
+            results = c.execute(text("SELECT request_id, batch_id, line FROM results ORDER BY request_id")).all()
+            sizes = c.execute(text("SELECT output_bytes, error_bytes FROM batches")).all()
+        assert [tuple(r) for r in results] == [(1, "batch_a", 2), (2, "batch_a", 1), (3, "batch_b", 7)]
+        assert [tuple(s) for s in sizes] == [(None, None), (None, None)]
+        indexes = {i["name"]: i["column_names"] for i in inspect(engine).get_indexes("results")}
+        assert indexes["ix_results_batch_finished_line"] == ["batch_id", "finished_at", "line"]
+        downgrade(engine, "0002")
+        with engine.begin() as c:
+            counts = [c.execute(text(f"SELECT count(*) FROM {table}")).scalar() for table in ("batches", "requests",
+                                                                                             "results")]
+        assert counts == [2, 4, 3]
+        assert {"batch_id", "line"}.isdisjoint(c["name"] for c in inspect(engine).get_columns("results"))
+        assert {"output_bytes", "error_bytes"}.isdisjoint(c["name"] for c in inspect(engine).get_columns("batches"))
+        downgrade(engine, "0001")  # 0002's downgrade copied the batches table on SQLite, losing every request too
+        with engine.begin() as c:
+            counts = [c.execute(text(f"SELECT count(*) FROM {table}")).scalar() for table in ("batches", "requests",
+                                                                                             "results")]
+        assert counts == [2, 4, 3]
+        assert "usage_cost" not in {c["name"] for c in inspect(engine).get_columns("batches")}
