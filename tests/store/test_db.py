@@ -47,17 +47,22 @@ def test_db_upgrade_command_is_repeatable_and_downgrades(tmp_path, monkeypatch, 
     engine.dispose()
 
 
+def insert_two_batches(connection) -> None:
+    """A tenant and two completed batches, batch_a and batch_b, in the columns every schema version has."""
+    connection.execute(text("INSERT INTO tenants VALUES (1, 'acme', 0)"))
+    for batch_id in ("batch_a", "batch_b"):
+        connection.execute(text("INSERT INTO batches (id, tenant_id, endpoint, input_file_id, completion_window, "
+                                "model, priority, status, request_total, request_completed, request_failed, "
+                                "created_at, expires_at) VALUES (:b, 1, '/v1/completions', 'file-x', '24h', 'tiny', 5, "
+                                "'completed', 2, 2, 0, 0, 0)"), {"b": batch_id})
+
+
 def test_the_usage_migration_sums_the_results_of_batches_already_stored(tmp_path):
     """0002 adds the batches' usage sums: a batch stored before it gets the sums of its results."""
     engine = db.make_engine(f"sqlite:///{tmp_path / 'old.db'}")
     db.upgrade(engine, "0001")
     with engine.begin() as c:
-        c.execute(text("INSERT INTO tenants VALUES (1, 'acme', 0)"))
-        for batch_id in ("batch_a", "batch_b"):
-            c.execute(text("INSERT INTO batches (id, tenant_id, endpoint, input_file_id, completion_window, model, "
-                           "priority, status, request_total, request_completed, request_failed, created_at, "
-                           "expires_at) VALUES (:b, 1, '/v1/completions', 'file-x', '24h', 'tiny', 5, 'completed', "
-                           "2, 2, 0, 0, 0)"), {"b": batch_id})
+        insert_two_batches(c)
         for request_id, batch_id, prompt, gpu in ((1, "batch_a", 10, 1.5), (2, "batch_a", 5, 0.25),
                                                   (3, "batch_b", 7, 2.0)):
             c.execute(text("INSERT INTO requests (id, batch_id, line, custom_id, url, body, status, attempts, "
@@ -104,12 +109,7 @@ def test_the_results_migration_names_stored_results_batch_and_line_and_downgrade
     batches table would have cascaded its DROP to every request and result)."""
     with database_at(dialect, "0002", tmp_path) as engine:
         with engine.begin() as c:
-            c.execute(text("INSERT INTO tenants VALUES (1, 'acme', 0)"))
-            for batch_id in ("batch_a", "batch_b"):
-                c.execute(text("INSERT INTO batches (id, tenant_id, endpoint, input_file_id, completion_window, "
-                               "model, priority, status, request_total, request_completed, request_failed, "
-                               "created_at, expires_at) VALUES (:b, 1, '/v1/completions', 'file-x', '24h', 'tiny', "
-                               "5, 'completed', 2, 2, 0, 0, 0)"), {"b": batch_id})
+            insert_two_batches(c)
             # request ids in another order than lines, and a request without a result
             for request_id, batch_id, line in ((1, "batch_a", 2), (2, "batch_a", 1), (3, "batch_b", 7),
                                                (4, "batch_b", 3)):

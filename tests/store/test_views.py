@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 
 import pytest
 from sqlalchemy import event, select, text, update
@@ -176,6 +177,17 @@ def test_a_result_page_reads_its_batchs_results_not_every_batchs_before_them(eng
         write(sessions, [ok(i) for i in ids], "w1")
     with engine.begin() as connection:
         connection.execute(text("ANALYZE"))
+    with explained(engine) as plans:
+        with sessions.begin() as session:
+            session.execute(text("SET LOCAL enable_sort = off"))
+            page, more = store.result_page(session, batch.id, None, 100)
+    assert len(page) == 100 and more and {r["custom_id"] for r in page} <= {f"n{i}" for i in range(300)}
+    assert len(plans) == 1 and "ix_results_finished_at" not in plans[0], plans
+
+
+@contextmanager
+def explained(engine):
+    """The plans PostgreSQL makes for the ordered queries run inside the block (EXPLAIN of each as it runs)."""
     plans = []
 
     def explain(connection, cursor, statement, parameters, context, executemany):
@@ -185,13 +197,9 @@ def test_a_result_page_reads_its_batchs_results_not_every_batchs_before_them(eng
 
     event.listen(engine, "before_cursor_execute", explain)
     try:
-        with sessions.begin() as session:
-            session.execute(text("SET LOCAL enable_sort = off"))
-            page, more = store.result_page(session, batch.id, None, 100)
+        yield plans
     finally:
         event.remove(engine, "before_cursor_execute", explain)
-    assert len(page) == 100 and more and {r["custom_id"] for r in page} <= {f"n{i}" for i in range(300)}
-    assert len(plans) == 1 and "ix_results_finished_at" not in plans[0], plans
 
 
 def test_a_batchs_usage_is_the_sum_of_its_results_whatever_writes_it_again(sessions):
@@ -263,20 +271,10 @@ def test_a_result_page_is_read_from_the_index_in_order_without_sorting_the_batch
         expected = [tuple(r) for r in connection.execute(text(
             "SELECT requests.line, results.finished_at FROM results JOIN requests ON requests.id = results.request_id "
             "WHERE requests.batch_id = :b ORDER BY results.finished_at, requests.line"), {"b": batch.id})]
-    plans = []
-
-    def explain(connection, cursor, statement, parameters, context, executemany):
-        if "ORDER BY" in statement:
-            cursor.execute("EXPLAIN " + statement, parameters)
-            plans.append("\n".join(row[0] for row in cursor.fetchall()))
-
-    event.listen(engine, "before_cursor_execute", explain)
-    try:
+    with explained(engine) as plans:
         with sessions.begin() as session:
             store.result_page(session, batch.id, None, 100)
             store.result_page(session, batch.id, expected[1500][0], 100)
-    finally:
-        event.remove(engine, "before_cursor_execute", explain)
     assert len(plans) == 2
     for plan in plans:
         assert "ix_results_batch_finished_line" in plan and "Sort" not in plan, plan
