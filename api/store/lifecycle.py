@@ -77,6 +77,14 @@ def count_and_settle(session: Session, batch_id: str, completed: int, failed: in
     return None
 
 
+def lock_in_id_order(session: Session, *conditions) -> None:
+    """Lock the requests that meet the conditions in id order, before an UPDATE of them: the order a claim locks its
+    chunk's rows in (by primary key). The UPDATE alone locks them in the order it scans, which is not id order once
+    updates have moved rows, so a claim in flight and a cancel each waited for a row the other held: a deadlock,
+    whose victim (the cancel) failed."""
+    session.execute(select(Request.id).where(*conditions).order_by(Request.id).with_for_update()).all()
+
+
 def cancel_batch(session: Session, batch_id: str, tenant_id: int | None = None) -> Batch:
     """in_progress -> cancelling: queued requests (and those of dead workers) are cancelled at once, running ones when
     their worker aborts or finishes them (finished ones are kept); cancelled as soon as none runs."""
@@ -91,9 +99,9 @@ def cancel_batch(session: Session, batch_id: str, tenant_id: int | None = None) 
                        "cancelled", "batch_id")
     batch.status, batch.cancelling_at = "cancelling", now
     session.flush()
-    session.execute(update(Request).where(Request.batch_id == batch_id, (Request.status == "queued") |
-                                          lease_expired(now))
-                    .values(status="cancelled", lease_owner=None, lease_expires_at=None))
+    doomed = (Request.batch_id == batch_id, (Request.status == "queued") | lease_expired(now))
+    lock_in_id_order(session, *doomed)
+    session.execute(update(Request).where(*doomed).values(status="cancelled", lease_owner=None, lease_expires_at=None))
     settle(session, batch_id, now)
     session.refresh(batch)
     return batch
@@ -110,8 +118,9 @@ def expire_batches(session: Session) -> list[str]:
                                    .values(status="expired", expired_at=now).returning(Batch.tenant_id))
         if tenant_id is None:
             continue
-        rows = session.execute(update(Request).where(Request.batch_id == batch_id,
-                                                     Request.status.in_(("queued", "running")))
+        unfinished = (Request.batch_id == batch_id, Request.status.in_(("queued", "running")))
+        lock_in_id_order(session, *unfinished)
+        rows = session.execute(update(Request).where(*unfinished)
                                .values(status="expired", lease_owner=None, lease_expires_at=None)
                                .returning(Request.id, Request.line)).all()
         if rows:

@@ -47,6 +47,8 @@ def _fail_exhausted(session: Session, now: float) -> None:
         rows = session.execute(update(Request).where(Request.batch_id == batch_id, *exhausted)
                                .values(status="failed", lease_owner=None, lease_expires_at=None)
                                .returning(Request.id, Request.line, Request.attempts)).all()
+        if not rows:  # finished while we waited for its lock (a late write, a cancel, another reconciler)
+            continue
         session.execute(insert(session, Result.__table__).on_conflict_do_nothing(), [
             error_result(request_id, batch_id, line, WORKER_LOST_STATUS_CODE, {
                 "code": "worker_lost", "param": None,
