@@ -44,6 +44,7 @@ TIMEOUT = 10.0  # each connect, read and write
 ATTEMPT_SECONDS = 30.0  # the whole POST, however slowly the receiver answers
 CLAIM_SECONDS = 60.0  # longer than any attempt: a worker that dies mid-attempt leaves the row due again after this
 ERROR_CHARS = 500
+NAT64, IPV4_COMPATIBLE = ipaddress.ip_network("64:ff9b::/96"), ipaddress.ip_network("::/96")
 
 
 class UrlRefused(ValueError):
@@ -82,15 +83,28 @@ def check_url(url: str) -> list[str]:
     if not allow_private():
         for address in addresses:
             if not _public(ipaddress.ip_address(address)):
-                raise UrlRefused(f"url {url!r}: {parts.hostname} resolves to {address}, which is not a public "
-                                 "address (set SLUICE_WEBHOOK_ALLOW_PRIVATE=1 to allow private networks)")
+                # the address itself is not named: a caller would learn the internal address of any name
+                raise UrlRefused(f"url {url!r}: an address of {parts.hostname} is not a public address (set "
+                                 "SLUICE_WEBHOOK_ALLOW_PRIVATE=1 to allow private networks)")
     return addresses
 
 
 def _public(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        ip = ip.ipv4_mapped
+    if isinstance(ip, ipaddress.IPv6Address) and (carried := _carried_ipv4(ip)) is not None:
+        ip = carried
     return ip.is_global and not ip.is_multicast
+
+
+def _carried_ipv4(ip: ipaddress.IPv6Address) -> ipaddress.IPv4Address | None:
+    """The IPv4 address that an IPv6 one carries and is routed to: IPv4-mapped, 6to4 (2002::/16), NAT64's prefix
+    64:ff9b::/96 or IPv4-compatible (::/96). Python counts the last three global whatever they carry, so
+    64:ff9b::a9fe:a9fe reached the metadata address through a NAT64 gateway."""
+    for carried in (ip.ipv4_mapped, ip.sixtofour):
+        if carried is not None:
+            return carried
+    if ip in NAT64 or ip in IPV4_COMPATIBLE:
+        return ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF)
+    return None
 
 
 def _port(parts: SplitResult) -> int:
@@ -149,16 +163,27 @@ def _post(url: str, secret: str, msg_id: str, payload: dict) -> tuple[int | None
     extensions = {"sni_hostname": parts.hostname} if parts.scheme == "https" else {}
     cutoff = Cutoff(ATTEMPT_SECONDS)
     try:
-        with cutoff, httpx.Client(timeout=TIMEOUT, follow_redirects=False, trust_env=False) as client:
-            response = client.post(pinned, content=body, headers=headers,
-                                   extensions=extensions | {"trace": cutoff.trace})
+        with cutoff, httpx.Client(timeout=TIMEOUT, follow_redirects=False, trust_env=False) as client, \
+                client.stream("POST", pinned, content=body, headers=headers,
+                              extensions=extensions | {"trace": cutoff.trace}) as response:
+            if 200 <= response.status_code < 300:
+                return response.status_code, None
+            return response.status_code, f"HTTP {response.status_code}: {_start(response)}"[:ERROR_CHARS]
     except httpx.HTTPError as e:
         if cutoff.fired:
             return None, f"no complete answer within {ATTEMPT_SECONDS:g} s"
         return None, f"{type(e).__name__}: {e}"[:ERROR_CHARS]
-    if 200 <= response.status_code < 300:
-        return response.status_code, None
-    return response.status_code, f"HTTP {response.status_code}: {response.text}"[:ERROR_CHARS]
+
+
+def _start(response: httpx.Response) -> str:
+    """The first ERROR_CHARS bytes of an answer's body, all that is kept of it: read whole, a receiver's endless body
+    was held in memory (gigabytes within the attempt's 30 s)."""
+    start = b""
+    for chunk in response.iter_bytes():
+        start += chunk
+        if len(start) >= ERROR_CHARS:
+            break
+    return start[:ERROR_CHARS].decode(response.encoding or "utf-8", errors="replace")
 
 
 class Cutoff:

@@ -11,27 +11,39 @@ import secrets
 import time
 from urllib.parse import urlsplit
 
-from sqlalchemy import delete, select, update
+from sqlalchemy import delete, func, select, update
 from sqlalchemy.orm import Session
 
-from api.models import WebhookDelivery, WebhookEndpoint
+from api.models import Tenant, WebhookDelivery, WebhookEndpoint
 from api.store.common import REQUEST_PREFIX, InvalidInput, NotFound, new_id
 from api.store.ids import findable
 from api.store.listing import page
 
 EVENTS = ("batch.completed", "batch.failed", "batch.cancelled", "batch.expired")
 OUTBOX_KEY = "sluice.new_deliveries"
+# every event is sent to each of the tenant's endpoints that wants it: unbounded, one batch could have the webhooks
+# worker send any number of requests (to any public address: an amplifier), and keep as many rows
+MAX_ENDPOINTS = 16
+MAX_URL_CHARS = 2048  # each is stored, and sent on every attempt
 
 
 def create_webhook_endpoint(session: Session, tenant_id: int, url: str,
                             events: list[str] | None = None) -> WebhookEndpoint:
     """A new endpoint for all EVENTS unless `events` names some; its `secret` is to be shown once, by the caller."""
+    if len(url) > MAX_URL_CHARS:
+        raise InvalidInput(f"url: at most {MAX_URL_CHARS} characters, not {len(url)}", "url")
     if urlsplit(url).scheme not in ("http", "https") or not urlsplit(url).hostname:
         raise InvalidInput(f"url {url!r}: an http:// or https:// URL is required", "url")
-    events = list(EVENTS) if events is None else events
+    events = list(EVENTS) if events is None else list(dict.fromkeys(events))  # each once, however often named
     unknown = sorted(set(events) - set(EVENTS))
     if unknown or not events:
         raise InvalidInput(f"events: {unknown or 'none given'}; choose from {', '.join(EVENTS)}", "events")
+    # the tenant's row locked (FOR NO KEY UPDATE: no wait on the key-share locks of its uploads and batches' foreign
+    # keys): two creations at once cannot both pass the count
+    session.execute(select(Tenant.id).where(Tenant.id == tenant_id).with_for_update(key_share=True))
+    if session.scalar(select(func.count()).select_from(WebhookEndpoint)
+                      .where(WebhookEndpoint.tenant_id == tenant_id)) >= MAX_ENDPOINTS:
+        raise InvalidInput(f"a tenant has at most {MAX_ENDPOINTS} webhook endpoints: delete one first", "url")
     # Standard Webhooks secrets: whsec_ and base64 of the HMAC key
     secret = "whsec_" + base64.b64encode(secrets.token_bytes(24)).decode()
     endpoint = WebhookEndpoint(id=new_id("we_"), tenant_id=tenant_id, url=url, events=events, secret=secret,
@@ -87,7 +99,11 @@ def notify(session: Session, tenant_id: int, event_type: str, batch_id: str, now
     """Write one outbox row per endpoint of the tenant that wants `event_type`, in the caller's transaction."""
     if batch_id.startswith(REQUEST_PREFIX):  # a single request is polled by its id; batch events are for batches
         return 0
-    endpoints = session.scalars(select(WebhookEndpoint).where(WebhookEndpoint.tenant_id == tenant_id)).all()
+    # FOR KEY SHARE: an endpoint being deleted is waited for and skipped, and a later delete waits for this
+    # transaction (cascading to its rows); read plainly, its outbox row failed the foreign key once the delete
+    # committed, and with it the write that ended the batch (a worker's results, a cancel, an expiry)
+    endpoints = session.scalars(select(WebhookEndpoint).where(WebhookEndpoint.tenant_id == tenant_id)
+                                .with_for_update(read=True, key_share=True)).all()
     wanted = [e for e in endpoints if event_type in e.events]
     event = {"id": new_id("evt_"), "object": "event", "type": event_type, "created_at": int(now),
              "data": {"id": batch_id}}

@@ -94,8 +94,6 @@ def test_a_cancel_and_a_claim_of_rows_moved_by_updates_do_not_deadlock(engine, s
     assert [statuses(sessions, batch.id)[i] for i in (a, b, c)] == ["running"] * 3
 
 
-@pytest.mark.xfail(strict=True, reason="store.webhooks.notify must read the tenant's endpoints FOR KEY SHARE; that "
-                   "module belongs to a concurrent change")
 def test_a_webhook_endpoint_deleted_while_the_last_result_is_written(engine, sessions):
     """notify read the endpoint the tenant was deleting, and its outbox row then failed the foreign key: the worker's
     whole result write (or the API's cancel, or the reconciler's expiry) failed with it."""
@@ -114,3 +112,17 @@ def test_a_webhook_endpoint_deleted_while_the_last_result_is_written(engine, ses
     assert batch_row(sessions, batch.id).status == "completed"
     with sessions.begin() as session:
         assert session.scalars(select(WebhookDelivery)).all() == []
+
+
+def test_two_deletes_of_one_file_at_once_are_one_delete_and_one_not_found(engine, sessions):
+    """Both answered deleted: true; one after the other, the second is a 404."""
+    with sessions.begin() as session:
+        tenant = store.get_or_create_tenant(session, "acme")
+        file = store.store_file(session, tenant.id, "in.jsonl", "batch", b"{}\n")
+    with sessions() as first, first.begin():
+        store.delete_file(first, file.id, tenant.id)
+        first.flush()
+        second = InThread(sessions, lambda s: store.delete_file(s, file.id, tenant.id))
+        waiting(engine)
+    with pytest.raises(store.NotFound, match=f"file {file.id} not found"):
+        second.join()
