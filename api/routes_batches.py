@@ -80,7 +80,7 @@ def cancel_batch(svc: ServicesDep, me: CallerDep, batch_id: str) -> dict:
 
 @router.get("/{batch_id}/results", response_model=ResultPage, summary="sluice: finished results, in finishing order")
 def batch_results(svc: ServicesDep, me: CallerDep, batch_id: str,
-                  after: Annotated[int | None, Query(le=MAX_LINE)] = None,
+                  after: Annotated[int | None, Query(ge=0, le=MAX_LINE)] = None,
                   limit: Annotated[int, Query(ge=1, le=1000)] = 100) -> dict:
     """Output and error lines in the order their requests finished; `after` is the `last_line` of the previous page.
     A result committed late can slot in before the cursor: a poller that must see every result compares its count

@@ -12,7 +12,7 @@ from sqlalchemy import Select, and_, delete, or_, select
 from sqlalchemy.orm import Session
 
 from api.models import Batch, File
-from api.store.common import REQUEST_PREFIX, InvalidInput
+from api.store.common import REQUEST_PREFIX, InvalidInput, NotFound
 from api.store.files import get_file
 from api.store.ids import findable
 
@@ -59,4 +59,6 @@ def list_batches(session: Session, tenant_id: int, after: str | None, limit: int
 def delete_file(session: Session, file_id: str, tenant_id: int) -> None:
     """Delete the file and its content; batches made from it keep their requests and keep naming it."""
     get_file(session, file_id, tenant_id)
-    session.execute(delete(File).where(File.id == file_id))
+    # another host's delete of the same file may commit between the read and this: one delete succeeds, as in turn
+    if session.execute(delete(File).where(File.id == file_id).returning(File.id)).first() is None:
+        raise NotFound(f"file {file_id} not found")
