@@ -49,7 +49,7 @@ def authenticate(sessions: sessionmaker[Session], key: str | None) -> Caller:
 
 
 def authenticate_scope(sessions: sessionmaker[Session], scope: Scope) -> Caller:
-    """authenticate() for a check before FastAPI has parsed the request (the upload guard). The caller is kept, with
+    """authenticate() for a check before FastAPI has parsed the request (api.body_guard). The caller is kept, with
     its key, in the request's ASGI state (a copy per request), where the route's `caller` finds it instead of looking
     the same key up again."""
     key = bearer_key(scope)

@@ -16,14 +16,12 @@ from typing import Annotated, Literal
 from fastapi import APIRouter, File, Form, Query, UploadFile
 from fastapi.responses import Response, StreamingResponse
 from sqlalchemy.orm import Session, sessionmaker
-from starlette.concurrency import run_in_threadpool
-from starlette.exceptions import HTTPException
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from api import store
-from api.auth import CallerDep, authenticate_scope
+from api.auth import CallerDep
+from api.body_guard import Limit
 from api.deps import ServicesDep
-from api.errors import ApiError, ErrorResponse, error_response
+from api.errors import ApiError, ErrorResponse
 from api.models import File as FileRow
 from api.objects import FileDeleted, FileList, FileObject
 from api.routes_batches import owned_batch
@@ -36,54 +34,10 @@ MULTIPART_SLACK = 64 * 1024  # room for the form's boundaries and the purpose fi
 CONTENT = {200: {"content": {"application/octet-stream": {}}, "description": "the file's bytes (JSONL)"}}
 
 
-class UploadTooLarge(ApiError, HTTPException):
-    """A 413 raised while the body is read: FastAPI lets an HTTPException out of its form parsing (any other error
-    becomes its 400), and the handler of ApiError, first in this class's MRO, answers it as the other refusals."""
-
-    def __init__(self, message: str):
-        HTTPException.__init__(self, 413, message)
-        self.status, self.message, self.param, self.code = 413, message, "file", "file_too_large"
-
-
-class UploadLimit:
-    """Refuses an upload before the server spools its body when its caller has no valid key (FastAPI reads a form
-    before it resolves the route's dependencies, so anyone could have a file spooled) or its Content-Length exceeds
-    the limit; and one sent without a length (chunked) as soon as its body passes the limit."""
-
-    def __init__(self, app: ASGIApp, max_bytes: int, sessions: sessionmaker[Session]):
-        self.app, self.max_bytes, self.sessions = app, max_bytes, sessions
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if not (scope["type"] == "http" and scope["method"] == "POST" and scope["path"] == router.prefix):
-            await self.app(scope, receive, send)
-            return
-        headers = dict(scope["headers"])
-        try:  # the caller is kept in the request's state: the route's dependency does not look the key up again
-            await run_in_threadpool(authenticate_scope, self.sessions, scope)
-        except ApiError as e:
-            await error_response(e.status, e.message, e.param, e.code, {"WWW-Authenticate": "Bearer"})(
-                scope, receive, send)
-            return
-        limit = self.max_bytes + MULTIPART_SLACK
-        length = headers.get(b"content-length", b"0")
-        if length.isdigit() and int(length) > limit:
-            await error_response(413, self._too_large(f"has {int(length)}"), "file", "file_too_large")(
-                scope, receive, send)
-            return
-        received = 0
-
-        async def counted() -> Message:
-            nonlocal received
-            message = await receive()
-            received += len(message.get("body", b""))
-            if received > limit:
-                raise UploadTooLarge(self._too_large(f"has more than {limit}"))
-            return message
-
-        await self.app(scope, counted, send)
-
-    def _too_large(self, size: str) -> str:
-        return f"the upload {size} bytes; files are limited to {self.max_bytes} bytes (SLUICE_MAX_FILE_BYTES)"
+def upload_limit(max_bytes: int) -> Limit:
+    """Uploads (api.body_guard): the file, plus its form's boundaries and fields."""
+    return Limit(lambda path: path == router.prefix, max_bytes + MULTIPART_SLACK, "the upload",
+                 f"files are limited to {max_bytes} bytes (SLUICE_MAX_FILE_BYTES)", "file", "file_too_large")
 
 
 @router.post("", response_model=FileObject, summary="Upload a batch input file",

@@ -18,14 +18,12 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from sqlalchemy import text
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
-from starlette.concurrency import run_in_threadpool
-from starlette.exceptions import HTTPException
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from api import errors, routes_batches, routes_files, routes_requests, routes_usage, routes_webhooks
-from api.auth import authenticate_scope, metrics_access
+from api.auth import metrics_access
+from api.body_guard import BodyGuard, Limit
 from api.deps import Services, ServicesDep
-from api.errors import ApiError, ErrorResponse, error_response
+from api.errors import ErrorResponse
 from api.metrics import make_registry
 from api.settings import Settings
 
@@ -75,55 +73,12 @@ def metrics(request: Request, _access: Annotated[None, Depends(metrics_access)])
     return Response(generate_latest(request.app.state.metrics), media_type=CONTENT_TYPE_LATEST)
 
 
-class BodyTooLarge(ApiError, HTTPException):
-    """A 413 raised while a JSON body is read: FastAPI lets an HTTPException out of its body parsing (any other error
-    becomes its 400), and the handler of ApiError, first in this class's MRO, answers it as the other refusals."""
-
-    def __init__(self, message: str):
-        HTTPException.__init__(self, 413, message)
-        self.status, self.message, self.param, self.code = 413, message, None, "request_too_large"
-
-
-class BodyLimit:
-    """Refuses a JSON body (every POST under /v1 but the upload, which routes_files.UploadLimit guards) before the
-    server reads it when its caller has no valid key, and as soon as it passes the file limit: FastAPI reads and
-    parses a body before it resolves the route's dependencies, the key among them, so anyone could have the server
-    hold a body of any size. No body needs more than a file may hold: a single request is one line of one."""
-
-    def __init__(self, app: ASGIApp, max_bytes: int, sessions: sessionmaker[Session]):
-        self.app, self.max_bytes, self.sessions = app, max_bytes, sessions
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        path = scope.get("path", "")
-        if not (scope["type"] == "http" and scope["method"] == "POST" and path.startswith("/v1/")
-                and path != routes_files.router.prefix):
-            await self.app(scope, receive, send)
-            return
-        try:  # the caller is kept in the request's state: the route's dependency does not look the key up again
-            await run_in_threadpool(authenticate_scope, self.sessions, scope)
-        except ApiError as e:
-            await error_response(e.status, e.message, e.param, e.code, {"WWW-Authenticate": "Bearer"})(
-                scope, receive, send)
-            return
-        length = dict(scope["headers"]).get(b"content-length", b"0")
-        if length.isdigit() and int(length) > self.max_bytes:
-            await error_response(413, self._too_large(f"has {int(length)}"), None, "request_too_large")(
-                scope, receive, send)
-            return
-        received = 0
-
-        async def counted() -> Message:
-            nonlocal received
-            message = await receive()
-            received += len(message.get("body", b""))
-            if received > self.max_bytes:
-                raise BodyTooLarge(self._too_large(f"has more than {self.max_bytes}"))
-            return message
-
-        await self.app(scope, counted, send)
-
-    def _too_large(self, size: str) -> str:
-        return f"the request body {size} bytes; bodies are limited to {self.max_bytes} (SLUICE_MAX_FILE_BYTES)"
+def body_limit(max_bytes: int) -> Limit:
+    """Every other POST under /v1 (JSON bodies, api.body_guard): none needs more than a file may hold, a single
+    request being one line of one."""
+    return Limit(lambda path: path.startswith("/v1/") and path != routes_files.router.prefix, max_bytes,
+                 "the request body", f"bodies are limited to {max_bytes} bytes (SLUICE_MAX_FILE_BYTES)", None,
+                 "request_too_large")
 
 
 def create_app(sessions: sessionmaker[Session], celery: Celery, settings: Settings | None = None) -> FastAPI:
@@ -133,8 +88,8 @@ def create_app(sessions: sessionmaker[Session], celery: Celery, settings: Settin
     app.state.services = svc
     app.state.metrics = make_registry(svc)
     errors.install(app)
-    app.add_middleware(routes_files.UploadLimit, max_bytes=svc.settings.max_file_bytes, sessions=svc.sessions)
-    app.add_middleware(BodyLimit, max_bytes=svc.settings.max_file_bytes, sessions=svc.sessions)
+    for limit in (routes_files.upload_limit, body_limit):
+        app.add_middleware(BodyGuard, limit=limit(svc.settings.max_file_bytes), sessions=svc.sessions)
     for module in (routes_files, routes_batches, routes_requests, routes_usage, routes_webhooks):
         app.include_router(module.router, responses=ERRORS)
     app.include_router(ops)
