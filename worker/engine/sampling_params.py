@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# what torch.Generator.manual_seed takes: a seed outside it failed in add_request, with torch's message, not ours
+SEED_RANGE = (-(2**63), 2**64 - 1)
+
 
 @dataclass
 class SamplingParams:
@@ -37,7 +40,8 @@ class SamplingParams:
              "top_k must be -1 (disabled) or an integer >= 1"),
             (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
             (0 <= self.min_p <= 1, "min_p must be in [0, 1]"),
-            (self.seed is None or isinstance(self.seed, int), "seed must be an integer"),
+            (self.seed is None or (isinstance(self.seed, int) and SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]),
+             f"seed must be an integer in [{SEED_RANGE[0]}, {SEED_RANGE[1]}]"),
             (all(isinstance(s, str) and s for s in self.stop), "stop must be non-empty strings"),
             (all(isinstance(t, int) for t in self.stop_token_ids), "stop_token_ids must be integers"),
             (self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
