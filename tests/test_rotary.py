@@ -6,7 +6,7 @@ import torch
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-from worker.engine.config import ModelConfig
+from worker.engine.config import ModelConfig, ModelError
 from worker.engine.layers import RotaryEmbedding, apply_rotary
 
 HEADS, KV_HEADS, HEAD_DIM = 6, 2, 32
@@ -56,3 +56,12 @@ def test_rotation_is_bit_for_bit_transformers(dtype):
     rotated = qkv.clone()
     assert torch.equal(rotary(positions, dtype).apply(rotated[:, :HEADS + KV_HEADS]), out)
     assert torch.equal(rotated[:, HEADS + KV_HEADS:], qkv[:, HEADS + KV_HEADS:])  # v is never touched
+
+
+@pytest.mark.parametrize("scaling, missing", [("linear", "factor"), ("llama3", "low_freq_factor"),
+                                              ("llama3", "original_max_position_embeddings")])
+def test_a_rope_scaling_without_a_field_its_type_needs_is_named(scaling, missing):
+    config = ModelConfig.from_dict(hf_config(SCALINGS[scaling]).to_dict())
+    config.rope_scaling = {k: v for k, v in config.rope_scaling.items() if k != missing}
+    with pytest.raises(ModelError, match=f"rope_scaling of type '{scaling}' needs '{missing}'"):
+        RotaryEmbedding(config, 64)

@@ -55,15 +55,21 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
         return inv_freq
     kind = scaling["rope_type"]
     if kind == "linear":
-        return inv_freq / scaling["factor"]
+        return inv_freq / _rope_field(scaling, "factor")
     if kind == "llama3":
         return _llama3_inv_freq(inv_freq, scaling)
     raise ModelError(f"config.json: unsupported rope_scaling type {kind!r} (supported: default, linear, llama3)")
 
 
+def _rope_field(scaling: dict, name: str) -> float:
+    if name not in scaling:  # a bare KeyError named nothing about where it came from
+        raise ModelError(f"config.json: rope_scaling of type {scaling['rope_type']!r} needs {name!r}")
+    return scaling[name]
+
+
 def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
-    factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
-    old_len = s["original_max_position_embeddings"]
+    factor, low, high = (_rope_field(s, name) for name in ("factor", "low_freq_factor", "high_freq_factor"))
+    old_len = _rope_field(s, "original_max_position_embeddings")
     wavelen = 2 * math.pi / inv_freq
     scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
     smooth = (old_len / wavelen - low) / (high - low)
