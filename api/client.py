@@ -61,6 +61,9 @@ class Client:
                  backoff: float = 0.5, poll_interval: float = 2.0, transport: httpx.BaseTransport | None = None):
         """`base_url` is the server's address, with or without the /v1 that the openai SDK's base_url ends with."""
         root = base_url.rstrip("/").removesuffix("/v1")
+        if httpx.URL(root).scheme not in ("http", "https"):  # else every call fails, retried, as if sent
+            raise ValueError(f"base_url {base_url!r}: give the server's address with its scheme, as in "
+                             "'http://localhost:8000'")
         self.http = httpx.Client(base_url=root + "/v1", headers={"Authorization": f"Bearer {api_key}"},
                                  timeout=timeout, transport=transport)
         self.max_retries, self.backoff, self.poll_interval = max_retries, backoff, poll_interval
@@ -156,7 +159,9 @@ class Client:
         batch = self._request("POST", "/batches", json={"input_file_id": file["id"], "endpoint": endpoint,
                                                         "completion_window": "24h"}).json()
         self.wait(batch["id"], progress=progress)
-        return {result["custom_id"]: result for result in self._pages(batch["id"], None)}
+        # by line, not custom_id: the error line of an id the server refused (empty, not valid Unicode) has none
+        doc_ids = list(bodies)
+        return {doc_ids[result["line"] - 1]: result for result in self._pages(batch["id"], None)}
 
     def _pages(self, batch_id: str, after: int | None) -> Iterator[dict]:
         while True:

@@ -14,6 +14,7 @@ import argparse
 import dataclasses
 import logging
 import os
+import socket
 import sys
 import threading
 from functools import partial
@@ -47,10 +48,12 @@ def serve_command(args: argparse.Namespace) -> int:
         args.data_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:  # a file of that name, or no permission
         raise UsageError(f"--data-dir {args.data_dir}: {e.strerror or e}") from None
+    listener = bind(args.host, args.port)  # a port in use is an error now, not after the engine is built
     # before anything reads them: worker.celery_app builds its Celery app from the environment at import
     os.environ["SLUICE_DATABASE_URL"] = f"sqlite:///{(args.data_dir / 'sluice.db').resolve()}"
     os.environ["SLUICE_BROKER_URL"] = BROKER_URL
     import uvicorn
+    from sqlalchemy.exc import OperationalError
 
     from api import db
     from api.queue import MAINTENANCE_QUEUE, WEBHOOKS_QUEUE, model_queue
@@ -62,14 +65,18 @@ def serve_command(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.loglevel.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     celery.conf.broker_transport_options = {**celery.conf.broker_transport_options, "polling_interval": 0.05}
     database = db.make_engine()
-    db.upgrade(database)
-    sessions = db.session_factory(database)
-    key = local_key(sessions, args.data_dir / KEY_FILE)
+    try:
+        db.upgrade(database)
+        sessions = db.session_factory(database)
+        key = local_key(sessions, args.data_dir / KEY_FILE)
+    except (OperationalError, OSError) as e:  # a directory it may not write in, a database file it may not open
+        problem = e.orig if isinstance(e, OperationalError) else e.strerror or e
+        raise UsageError(f"--data-dir {args.data_dir}: cannot keep the database and API key there: {problem}") from None
     name = served_model_name(args)
     worker = GpuWorker(partial(load_engine, args), WorkerSettings(name, args.model), sessions, celery).start()
     api = create_app(sessions, celery, dataclasses.replace(settings, models=(name,)))
     server = uvicorn.Server(uvicorn.Config(api, host=args.host, port=args.port, log_level=args.loglevel.lower()))
-    threading.Thread(target=server.run, name="api", daemon=True).start()
+    threading.Thread(target=server.run, args=([listener],), name="api", daemon=True).start()
     print(f"sluice serve: model {name!r} at http://{args.host}:{args.port}/v1 ; API key in "
           f"{args.data_dir / KEY_FILE}:\n{key}", file=sys.stderr)
     try:
@@ -77,6 +84,18 @@ def serve_command(args: argparse.Namespace) -> int:
     finally:
         server.should_exit = True
     return 0
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """The API's socket, bound to `host`:`port` as uvicorn binds it (it listens once the API starts)."""
+    listener = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        listener.bind((host, port))
+    except OSError as e:
+        listener.close()
+        raise UsageError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    return listener
 
 
 def local_key(sessions, path: Path) -> str:
@@ -91,6 +110,8 @@ def local_key(sessions, path: Path) -> str:
     with sessions.begin() as session:
         tenant = store.get_or_create_tenant(session, store.DEFAULT_TENANT)
         _, key = store.create_api_key(session, tenant.id)
-    path.write_text(key + "\n")
-    path.chmod(0o600)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # never readable by others, not even briefly
+    os.fchmod(fd, 0o600)  # a file that was there already keeps its mode through O_CREAT
+    with open(fd, "w") as file:
+        file.write(key + "\n")
     return key

@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
+import sys
+import threading
 from functools import partial
 
 from worker.cli import (
@@ -101,15 +104,55 @@ def default_concurrency(max_num_seqs: int) -> int:
 
 
 def serve_queues(worker, app, queues: list[str], loglevel: str, prefix: str, concurrency: int | None = None) -> None:
-    """Run a Celery worker (threads pool) on `queues` in this thread, feeding `worker`'s engine; on SIGTERM its
-    chunks get the grace period, and the GPU worker is closed when Celery exits."""
+    """Run a Celery worker (threads pool) on `queues` in this thread, feeding `worker`'s engine; on SIGTERM or Ctrl-C
+    its chunks get the grace period, a second Ctrl-C (or a SIGQUIT) stops the engine at once, so that they give their
+    requests back now, and the GPU worker is closed when Celery exits."""
+    from celery.apps.worker import safe_say
+    from celery.exceptions import Reject
     from celery.signals import worker_ready, worker_shutting_down
 
     from worker import gpu_worker
 
+    interrupted = []  # Ctrl-C came once
+
+    def quiet_reject(record: logging.LogRecord) -> bool:
+        """Celery logs a task that raised Reject (a chunk given back by a stopping worker) with its traceback, one
+        a chunk: the message says all there is to say."""
+        if record.exc_info and isinstance(record.exc_info[1], Reject):
+            record.exc_info = None
+        return True
+
+    def stop_now() -> None:
+        safe_say("worker: stopping the engine now: running requests go back to the queue", sys.__stdout__)
+        threading.Thread(target=worker.bridge.stop, name="stop-engine", daemon=True).start()
+
+    def on_ready(**_) -> None:
+        worker.mark_consuming()  # live only once it takes messages
+        # Celery's second Ctrl-C (and SIGQUIT) is a cold shutdown, which kills the pool's running tasks: a threads
+        # pool cannot (NotImplementedError, a traceback), and its chunks waited out the grace period all the same.
+        # Here a first Ctrl-C is SIGTERM's warm shutdown, and a second one stops the engine
+        warm = signal.getsignal(signal.SIGTERM)
+
+        def on_interrupt(signum, frame) -> None:
+            if interrupted:
+                stop_now()
+                return
+            interrupted.append(signum)
+            safe_say("worker: hitting Ctrl+C again stops the engine at once", sys.__stdout__)
+            warm(signum, frame)
+
+        def on_quit(signum, frame) -> None:
+            interrupted.append(signum)
+            warm(signum, frame)
+            stop_now()
+
+        signal.signal(signal.SIGINT, on_interrupt)
+        signal.signal(signal.SIGQUIT, on_quit)
+
     gpu_worker.install(worker)
+    logging.getLogger("celery.app.trace").addFilter(quiet_reject)
     worker_shutting_down.connect(lambda **_: worker.begin_shutdown(), weak=False)
-    worker_ready.connect(lambda **_: worker.mark_consuming(), weak=False)  # live only once it takes messages
+    worker_ready.connect(on_ready, weak=False)
     concurrency = concurrency or default_concurrency(worker.processor.config.max_num_seqs)
     try:
         app.worker_main(["worker", "-Q", ",".join(queues), "-P", "threads", "-c", str(concurrency),
