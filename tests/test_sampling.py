@@ -124,10 +124,16 @@ def test_truncate_at_stop_keeps_no_stop_string():
 def test_stop_token_ids_and_length(llm):
     free = llm.generate(PROMPTS[2], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))[0]
     assert free.finish_reason == "length" and len(free.token_ids) == 10
-    target = free.token_ids[4]
+    # a target that adds text of its own where it first comes (a special token or half a character would not)
+    texts = [o.text for o in llm.generate([PROMPTS[2]] * 10, [SamplingParams(max_tokens=n, temperature=0,
+                                                                             ignore_eos=True) for n in range(1, 11)])]
+    at = next(i for i in range(1, 10) if texts[i] != texts[i - 1] and free.token_ids.index(free.token_ids[i]) == i)
+    target = free.token_ids[at]
     out = llm.generate(PROMPTS[2], SamplingParams(max_tokens=10, temperature=0, stop_token_ids=[target]))[0]
     assert out.finish_reason == "stop"
-    assert out.token_ids == free.token_ids[: free.token_ids.index(target) + 1]
+    assert out.token_ids == free.token_ids[: at + 1]
+    # the stop token is counted but its text is not output (vLLM's default): the text of the tokens before it
+    assert out.text == texts[at - 1]
 
 
 def test_eos_stops_unless_ignored(llm, monkeypatch):
@@ -136,7 +142,10 @@ def test_eos_stops_unless_ignored(llm, monkeypatch):
     monkeypatch.setattr(llm, "eos_token_ids", {eos})  # pretend a token greedy decoding reaches is the model's eos
     stopped = llm.generate(PROMPTS[0], SamplingParams(max_tokens=30, temperature=0))[0]
     assert stopped.finish_reason == "stop"
-    assert stopped.token_ids == free.token_ids[: free.token_ids.index(eos) + 1]
+    at = free.token_ids.index(eos)
+    assert stopped.token_ids == free.token_ids[: at + 1]
+    before = llm.generate(PROMPTS[0], SamplingParams(max_tokens=at, temperature=0, ignore_eos=True))[0]
+    assert stopped.text == before.text  # an eos that is an ordinary token keeps its text out too
     ignored = llm.generate(PROMPTS[0], SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))[0]
     assert ignored.token_ids == free.token_ids and ignored.finish_reason == "length"
 
@@ -179,3 +188,20 @@ def test_detokenize_is_checked():
         SamplingParams(detokenize="no")
     with pytest.raises(ValueError, match="stop strings need detokenize=True"):
         SamplingParams(stop=["."], detokenize=False)
+
+
+def test_replayed_text_leaves_out_the_stop_token_as_the_engine_does(llm):
+    """The worker's replay (Responses, detokenize=False) of a request that stopped on a stop token gives the text the
+    engine gives detokenizing it: the stop token's own text left out."""
+    from worker.translate import Responses
+
+    free = llm.generate(PROMPTS[1], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0]
+    texts = [o.text for o in llm.generate([PROMPTS[1]] * 12, [SamplingParams(max_tokens=n, temperature=0,
+                                                                             ignore_eos=True) for n in range(1, 13)])]
+    at = next(i for i in range(1, 12) if texts[i] != texts[i - 1] and free.token_ids.index(free.token_ids[i]) == i)
+    params = SamplingParams(max_tokens=12, temperature=0, stop_token_ids=[free.token_ids[at]], ignore_eos=True)
+    with_text = llm.generate(PROMPTS[1], params)[0]
+    params.detokenize = False
+    without = llm.generate(PROMPTS[1], params)[0]
+    assert with_text.finish_reason == without.finish_reason == "stop" and without.text is None
+    assert Responses(llm.tokenizer).generation(without).text == with_text.text == texts[at - 1]

@@ -58,7 +58,8 @@ class Responses:
                         for lp in out.logprobs]
         text = out.text
         if text is None:
-            text = decode(self.tokenizer, self.texts, out.prompt_token_ids, out.token_ids)
+            # without detokenizing the engine matched no stop strings: a "stop" is an eos or stop token
+            text = decode(self.tokenizer, self.texts, out.prompt_token_ids, out.token_ids, out.finish_reason == "stop")
         return Generation(text=text, finish_reason=out.finish_reason, prompt_tokens=len(out.prompt_token_ids),
                           completion_tokens=len(out.token_ids), cached_tokens=out.num_cached_tokens,
                           created=int(out.metrics.finish_time or time.time()), logprobs=logprobs)

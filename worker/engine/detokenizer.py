@@ -75,12 +75,15 @@ class Replay:
     read_offset: int = 0
 
 
-def decode(tokenizer, text: TokenText, prompt_token_ids: list[int], token_ids: list[int]) -> str:
+def decode(tokenizer, text: TokenText, prompt_token_ids: list[int], token_ids: list[int],
+           stopped_by_token: bool = False) -> str:
     """The text the engine builds token by token for these output tokens, built here from the finished output:
-    the same calls in the same order, so the same text (for requests run with SamplingParams(detokenize=False))."""
+    the same calls in the same order, so the same text (for requests run with SamplingParams(detokenize=False)).
+    `stopped_by_token`: the last token was an eos or stop token, whose text the engine leaves out."""
     state = Replay(prompt_token_ids)
     start(tokenizer, state, text)
-    return "".join(append(text, state, t) for t in token_ids)
+    pieces = [append(text, state, t) for t in token_ids]
+    return "".join(pieces[:-1] if stopped_by_token else pieces)
 
 
 def start(tokenizer, seq: State, text: TokenText) -> None:

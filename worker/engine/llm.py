@@ -191,6 +191,8 @@ class LLMEngine:
         reason = None
         if (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids:
             reason = "stop"
+            if new:  # the stop token's own text is not output (as vLLM)
+                seq.text = seq.text[:-len(new)]
         elif p.stop and self._truncate_at_stop(seq, len(new)):
             reason = "stop"
         elif len(seq.token_ids) - seq.num_prompt_tokens >= p.max_tokens:
