@@ -25,6 +25,7 @@ CHECKED = "sluice_checked_key"  # request state: (key, Caller) of a key authenti
 class Caller:
     tenant_id: int
     tenant: str
+    key_id: str
 
 
 def caller(request: Request, svc: ServicesDep, credentials: Credentials) -> Caller:
@@ -42,10 +43,19 @@ def authenticate(sessions: sessionmaker[Session], key: str | None) -> Caller:
         raise ApiError(401, "no API key given: send the header `Authorization: Bearer <key>` (keys come from "
                             "`sluice keys create --tenant NAME`)", code="missing_api_key")
     with sessions.begin() as session:
-        tenant = store.resolve_api_key(session, key)
-    if tenant is None:
+        found = store.resolve_api_key(session, key)
+    if found is None:
         raise ApiError(401, f"incorrect API key provided: {_hint(key)} is unknown or revoked", code="invalid_api_key")
-    return Caller(tenant.id, tenant.name)
+    tenant, key_id = found
+    return Caller(tenant.id, tenant.name, key_id)
+
+
+def hold_key(session: Session, me: Caller) -> None:
+    """In a transaction that creates something in the caller's name: its key, checked when the request began (an
+    upload's body may take minutes after that), must not have been revoked since, and is held so until the commit."""
+    if not store.hold_live_key(session, me.key_id):
+        raise ApiError(401, f"API key {me.key_id} was revoked while this request ran: nothing was stored",
+                       code="invalid_api_key")
 
 
 def authenticate_scope(sessions: sessionmaker[Session], scope: Scope) -> Caller:

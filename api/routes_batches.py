@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict
 from sqlalchemy.orm import Session
 
 from api import store
-from api.auth import CallerDep
+from api.auth import CallerDep, hold_key
 from api.deps import ServicesDep
 from api.dispatch import dispatch
 from api.errors import ApiError, ErrorResponse
@@ -40,6 +40,7 @@ class BatchCreate(BaseModel):
 @router.post("", response_model=BatchObject, summary="Create a batch from an uploaded file")
 def create_batch(body: BatchCreate, svc: ServicesDep, me: CallerDep) -> dict:
     with svc.sessions.begin() as session:
+        hold_key(session, me)
         batch, work = store.create_batch(session, me.tenant_id, body.input_file_id, endpoint=body.endpoint,
                                          completion_window=body.completion_window, metadata=body.metadata,
                                          max_lines=svc.settings.max_batch_lines)

@@ -18,7 +18,7 @@ from fastapi.responses import Response, StreamingResponse
 from sqlalchemy.orm import Session, sessionmaker
 
 from api import store
-from api.auth import CallerDep
+from api.auth import CallerDep, hold_key
 from api.body_guard import Limit
 from api.deps import ServicesDep
 from api.errors import ApiError, ErrorResponse
@@ -52,6 +52,7 @@ def upload_file(svc: ServicesDep, me: CallerDep, file: Annotated[UploadFile, Fil
     if purpose == "batch" and (problem := store.input_file_problem(data, svc.settings.max_batch_lines)):
         raise ApiError(400, f"file {file.filename!r}: {problem['message']}", "file", problem["code"])
     with svc.sessions.begin() as session:
+        hold_key(session, me)
         row = store.store_file(session, me.tenant_id, file.filename or "", purpose, data, max_bytes=limit)
     return _file_object(row)
 

@@ -13,7 +13,7 @@ from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict
 
 from api import store
-from api.auth import CallerDep
+from api.auth import CallerDep, hold_key
 from api.deps import ServicesDep
 from api.dispatch import dispatch
 from api.objects import RequestObject
@@ -32,6 +32,7 @@ class RequestCreate(BaseModel):
 @router.post("", response_model=RequestObject, summary="sluice: queue one chat or completion request")
 def create_request(request: RequestCreate, svc: ServicesDep, me: CallerDep) -> dict:
     with svc.sessions.begin() as session:
+        hold_key(session, me)
         batch, work = store.create_request(session, me.tenant_id, request.endpoint, request.body)
         require_known_model(session, svc.settings, work.model, "body.model", 404)
         view = store.request_view(session, batch)

@@ -13,7 +13,7 @@ from fastapi import APIRouter, Query
 from pydantic import BaseModel, ConfigDict
 
 from api import store
-from api.auth import CallerDep
+from api.auth import CallerDep, hold_key
 from api.deps import ServicesDep
 from api.errors import ApiError
 from api.models import WebhookDelivery, WebhookEndpoint
@@ -44,6 +44,7 @@ def create_endpoint(body: WebhookEndpointCreate, svc: ServicesDep, me: CallerDep
     except UrlRefused as e:
         raise ApiError(400, str(e), "url", "url_not_allowed") from None
     with svc.sessions.begin() as session:
+        hold_key(session, me)
         endpoint = store.create_webhook_endpoint(session, me.tenant_id, body.url, body.events)
         return WebhookEndpointWithSecret(**_endpoint(endpoint).model_dump(), secret=endpoint.secret)
 

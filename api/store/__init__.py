@@ -26,6 +26,7 @@ from api.store.tenants import (
     create_api_key,
     find_api_key,
     get_or_create_tenant,
+    hold_live_key,
     resolve_api_key,
     revoke_api_key,
 )
@@ -55,15 +56,16 @@ from api.store.webhooks import (
 from api.store.workers import efficiency_windows, heartbeat, live_workers, record_efficiency
 
 __all__ = [
-    "Claimed", "Conflict", "DEFAULT_PRIORITY", "DEFAULT_TENANT", "DayUsage", "EVENTS", "InvalidInput", "MAX_FILE_BYTES",
-    "MAX_LINES", "NotFound", "REQUEST_PREFIX", "RequestResult", "StoreError", "Work", "batch_usage", "batch_view",
-    "cancel_batch", "claim", "cost", "create_api_key", "create_batch", "create_request", "create_webhook_endpoint",
-    "delete_file", "delete_webhook_endpoint", "due_deliveries", "efficiency_windows", "error_file_id", "error_lines",
-    "expire_batches", "file_content", "file_page", "file_slice", "find_api_key", "get_batch", "get_file",
-    "get_or_create_tenant", "get_webhook_endpoint", "gpu_hour_cost", "heartbeat", "input_file_problem", "kv_cache_use",
-    "latency_histogram", "list_batches", "list_deliveries", "list_files", "list_webhook_endpoints", "live_workers",
-    "mark_cancelled", "models_with_waiting_requests", "new_deliveries", "output_file_id", "output_lines",
-    "record_efficiency", "recover_expired_leases", "release", "renew_leases", "republish_stale", "request_view",
-    "requests_by_status", "resolve_api_key", "result_page", "revoke_api_key", "store_file", "submit_jsonl",
-    "tenant_usage", "token_totals", "view_file", "write_results",
+    "Claimed", "Conflict", "DEFAULT_PRIORITY", "DEFAULT_TENANT", "DayUsage", "EVENTS", "InvalidInput",
+    "MAX_FILE_BYTES", "MAX_LINES", "NotFound", "REQUEST_PREFIX", "RequestResult", "StoreError", "Work",
+    "batch_usage", "batch_view", "cancel_batch", "claim", "cost", "create_api_key", "create_batch",
+    "create_request", "create_webhook_endpoint", "delete_file", "delete_webhook_endpoint", "due_deliveries",
+    "efficiency_windows", "error_file_id", "error_lines", "expire_batches", "file_content", "file_page",
+    "file_slice", "find_api_key", "get_batch", "get_file", "get_or_create_tenant", "get_webhook_endpoint",
+    "gpu_hour_cost", "heartbeat", "hold_live_key", "input_file_problem", "kv_cache_use", "latency_histogram",
+    "list_batches", "list_deliveries", "list_files", "list_webhook_endpoints", "live_workers", "mark_cancelled",
+    "models_with_waiting_requests", "new_deliveries", "output_file_id", "output_lines", "record_efficiency",
+    "recover_expired_leases", "release", "renew_leases", "republish_stale", "request_view", "requests_by_status",
+    "resolve_api_key", "result_page", "revoke_api_key", "store_file", "submit_jsonl", "tenant_usage",
+    "token_totals", "view_file", "write_results",
 ]

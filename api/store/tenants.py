@@ -40,10 +40,18 @@ def create_api_key(session: Session, tenant_id: int) -> tuple[ApiKey, str]:
     return row, key
 
 
-def resolve_api_key(session: Session, key: str) -> Tenant | None:
-    """The tenant a key belongs to, or None for an unknown or revoked key."""
-    return session.scalars(select(Tenant).join(ApiKey, ApiKey.tenant_id == Tenant.id)
-                           .where(ApiKey.key_hash == _hash(key), ApiKey.revoked_at.is_(None))).one_or_none()
+def resolve_api_key(session: Session, key: str) -> tuple[Tenant, str] | None:
+    """The tenant a key belongs to and the key's id, or None for an unknown or revoked key."""
+    row = session.execute(select(Tenant, ApiKey.id).join(ApiKey, ApiKey.tenant_id == Tenant.id)
+                          .where(ApiKey.key_hash == _hash(key), ApiKey.revoked_at.is_(None))).one_or_none()
+    return None if row is None else (row[0], row[1])
+
+
+def hold_live_key(session: Session, key_id: str) -> bool:
+    """Whether the key is still not revoked, held so (FOR SHARE, PostgreSQL) until the transaction ends: a revoke
+    waits for a write this transaction makes in the key's name, or that write sees the revoke."""
+    return session.scalar(select(ApiKey.id).where(ApiKey.id == key_id, ApiKey.revoked_at.is_(None))
+                          .with_for_update(read=True)) is not None
 
 
 def find_api_key(session: Session, key_id_or_prefix: str) -> ApiKey:

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import threading
+
 import httpx
 import pytest
 from api_helpers import chat, finish, jsonl, request_ids
+from sqlalchemy import select
+from sqlalchemy.exc import OperationalError
 
+from api.models import ApiKey
 from worker.cli import main
 
 
@@ -91,3 +96,52 @@ def test_keys_cli_creates_and_revokes(api, api_database, openai_client, monkeypa
     assert main(["keys", "revoke", "key_nope"]) == 2
     assert "not found" in capsys.readouterr().err
     assert main(["keys", "create", "--tenant", "bad name"]) == 2
+
+
+def test_a_key_revoked_while_its_upload_arrives_stores_nothing(api, tenant_key, monkeypatch):
+    """The key is checked before an upload's body is read, and the body may take minutes: a revoke in between wins."""
+    from api import store
+
+    key, checked, resolve = tenant_key(), threading.Event(), store.resolve_api_key
+    monkeypatch.setattr(store, "resolve_api_key", lambda *a: (resolve(*a), checked.set())[0])
+    body, boundary = jsonl([chat("a")]), "sluiceboundary"
+    parts = [f"--{boundary}\r\nContent-Disposition: form-data; name=\"purpose\"\r\n\r\nbatch\r\n".encode(),
+             f"--{boundary}\r\nContent-Disposition: form-data; name=\"file\"; filename=\"in.jsonl\"\r\n"
+             "Content-Type: application/jsonl\r\n\r\n".encode(), body, f"\r\n--{boundary}--\r\n".encode()]
+
+    def upload():  # the key is revoked once the server has taken the body's first part
+        yield parts[0]
+        assert checked.wait(10)  # the server (in this process) has checked the key
+        with api.sessions.begin() as session:
+            row = session.scalars(select(ApiKey).where(ApiKey.prefix == key[:14])).one()
+            assert store.revoke_api_key(session, row.id) is None
+        yield from parts[1:]
+
+    before = api.counts()
+    answer = httpx.post(f"{api.url}/v1/files", content=upload(), timeout=30,
+                        headers={"Authorization": f"Bearer {key}",
+                                 "Content-Type": f"multipart/form-data; boundary={boundary}"})
+    assert answer.status_code == 401 and answer.json()["error"]["code"] == "invalid_api_key", answer.text
+    assert "was revoked while this request ran" in answer.json()["error"]["message"]
+    assert api.counts() == before
+
+
+def test_a_write_in_a_keys_name_holds_the_key_until_it_commits(api, tenant_key):
+    """A revoke waits for a create that has checked the key (PostgreSQL row lock), so no create lands after it."""
+    from sqlalchemy import text
+
+    from api import store
+
+    tenant_key()
+    with api.sessions.begin() as session:
+        key_id = session.scalars(select(ApiKey.id)).one()
+    with api.sessions.begin() as holder:
+        assert store.hold_live_key(holder, key_id)
+        with api.sessions.begin() as revoker:
+            revoker.execute(text("SET LOCAL lock_timeout = '200ms'"))
+            with pytest.raises(OperationalError, match="lock timeout"):
+                store.revoke_api_key(revoker, key_id)
+    with api.sessions.begin() as revoker:
+        assert store.revoke_api_key(revoker, key_id) is None
+    with api.sessions.begin() as session:
+        assert not store.hold_live_key(session, key_id)

@@ -19,7 +19,7 @@ def test_keys_are_shown_once_stored_hashed_and_revocable(sessions):
         stored = session.scalars(select(ApiKey)).one()
         assert key.startswith("sk-sluice-") and key.startswith(row.prefix) and len(row.prefix) == 14
         assert stored.key_hash == hashlib.sha256(key.encode()).hexdigest() and key not in stored.key_hash
-        assert store.resolve_api_key(session, key).name == "acme"
+        assert store.resolve_api_key(session, key)[0].name == "acme"
         assert store.resolve_api_key(session, key + "x") is None
         store.revoke_api_key(session, row.id)
         store.revoke_api_key(session, row.id)  # again: still revoked, no error
