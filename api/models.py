@@ -73,6 +73,17 @@ class File(Base):
     created_at: Mapped[float]
 
 
+class DeletedFile(Base):
+    """A deleted file's place in its tenant's file list: a client deleting the files it pages through (the openai
+    SDK's auto-paging does) names the last one it deleted as the next page's `after`."""
+
+    __tablename__ = "deleted_files"
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True)  # file-...
+    tenant_id: Mapped[int] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
+    created_at: Mapped[float]  # the file's
+
+
 class FileContent(Base):
     """Kept apart from `files` so that listing files never reads their bytes; several API hosts share it."""
 

@@ -1,7 +1,8 @@
 """Cursor pages of a tenant's objects (files, batches, webhook deliveries) and deleting files.
 
 A page is ordered by (created_at, id), newest first unless asked otherwise; `after` is the id of the last object of
-the previous page, as in OpenAI's lists. An `after` that is not in the list is refused rather than read as the start.
+the previous page, as in OpenAI's lists; a deleted file's id still marks its place. An `after` that is not in the list
+is refused rather than read as the start.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from typing import Literal
 from sqlalchemy import Select, and_, delete, or_, select
 from sqlalchemy.orm import Session
 
-from api.models import Batch, File
+from api.models import Batch, DeletedFile, File
 from api.store.common import REQUEST_PREFIX, InvalidInput, NotFound
 from api.store.files import get_file
 from api.store.ids import findable
@@ -19,14 +20,16 @@ from api.store.ids import findable
 Order = Literal["asc", "desc"]
 
 
-def page(session: Session, stmt: Select, model, after: str | None, limit: int,
-         order: Order = "desc") -> tuple[list, bool]:
+def page(session: Session, stmt: Select, model, after: str | None, limit: int, order: Order = "desc",
+         deleted: Select | None = None) -> tuple[list, bool]:
     """Up to `limit` rows of `stmt` (a select of `model`, already narrowed to one owner) following the row `after`;
-    and whether more follow."""
+    and whether more follow. `deleted`: (created_at, id) of the owner's deleted rows, where an `after` may be too."""
     created, ident = model.created_at, model.id
     if after is not None:
         at_after = stmt.with_only_columns(created, ident).where(ident == after)
         cursor = session.execute(at_after).first() if findable(after) else None
+        if cursor is None and deleted is not None and findable(after):
+            cursor = session.execute(deleted.where(deleted.selected_columns[1] == after)).first()
         if cursor is None:
             raise InvalidInput(f"after: {after!r} is not the id of an object in this list", "after")
         at, at_id = cursor
@@ -47,7 +50,8 @@ def list_files(session: Session, tenant_id: int, after: str | None, limit: int, 
             raise InvalidInput(f"purpose {purpose!r}: no file's purpose has a NUL character or a lone surrogate",
                                "purpose")
         stmt = stmt.where(File.purpose == purpose)
-    return page(session, stmt, File, after, limit, order)
+    deleted = select(DeletedFile.created_at, DeletedFile.id).where(DeletedFile.tenant_id == tenant_id)
+    return page(session, stmt, File, after, limit, order, deleted)
 
 
 def list_batches(session: Session, tenant_id: int, after: str | None, limit: int) -> tuple[list[Batch], bool]:
@@ -58,7 +62,8 @@ def list_batches(session: Session, tenant_id: int, after: str | None, limit: int
 
 def delete_file(session: Session, file_id: str, tenant_id: int) -> None:
     """Delete the file and its content; batches made from it keep their requests and keep naming it."""
-    get_file(session, file_id, tenant_id)
+    created_at = get_file(session, file_id, tenant_id).created_at
     # another host's delete of the same file may commit between the read and this: one delete succeeds, as in turn
     if session.execute(delete(File).where(File.id == file_id).returning(File.id)).first() is None:
         raise NotFound(f"file {file_id} not found")
+    session.add(DeletedFile(id=file_id, tenant_id=tenant_id, created_at=created_at))

@@ -59,6 +59,23 @@ def test_list_pages_with_after_and_order(api, tenant_key, openai_client):
     assert [f.id for f in last.data] == [ids[0]] and not last.has_more
 
 
+def test_deleting_the_files_one_pages_through_reaches_them_all(api, tenant_key, openai_client):
+    """The openai SDK's auto-paging asks for the next page after the last file of the page before, which the loop
+    has deleted by then: its place in the list is kept, in either order, and for its tenant only."""
+    key = tenant_key()
+    client = openai_client(key)
+    for order in ("desc", "asc"):
+        ids = [client.files.create(file=(f"{i}.jsonl", jsonl([chat("a")])), purpose="batch").id for i in range(5)]
+        deleted = []
+        for file in client.files.list(limit=2, order=order):
+            assert client.files.delete(file.id).deleted
+            deleted.append(file.id)
+        assert deleted == (ids[::-1] if order == "desc" else ids) and not client.files.list().data
+    other = httpx.get(f"{api.url}/v1/files", params={"after": deleted[-1]},
+                      headers={"Authorization": f"Bearer {tenant_key('other')}"})
+    assert other.status_code == 400 and other.json()["error"]["param"] == "after"  # another tenant's is unknown
+
+
 @pytest.mark.parametrize("params, param", [({"limit": 0}, "limit"), ({"limit": 10_001}, "limit"),
                                            ({"limit": "many"}, "limit"), ({"order": "sideways"}, "order"),
                                            ({"after": "file-nope"}, "after")])
