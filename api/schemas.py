@@ -354,6 +354,10 @@ class TokenLogprob:
     token: str
     logprob: float
     top: list[tuple[str, float]]
+    # the raw UTF-8 bytes of the token and of each top entry, which a token's text lacks when it is part of a
+    # multi-byte character (its text is then U+FFFD); None where unknown: the text's bytes stand in
+    token_bytes: bytes | None = None
+    top_bytes: list[bytes | None] | None = None
 
 
 @dataclass
@@ -379,16 +383,20 @@ def _usage(gen: Generation) -> dict:
             "prompt_tokens_details": {"cached_tokens": gen.cached_tokens}}
 
 
-def _token_entry(token: str, logprob: float) -> dict:
-    return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
+def _token_entry(token: str, logprob: float, raw: bytes | None) -> dict:
+    return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8") if raw is None else raw)}
+
+
+def _content_entry(lp: TokenLogprob) -> dict:
+    top_bytes = lp.top_bytes if lp.top_bytes is not None else [None] * len(lp.top)
+    return {**_token_entry(lp.token, lp.logprob, lp.token_bytes),
+            "top_logprobs": [_token_entry(t, v, raw) for (t, v), raw in zip(lp.top, top_bytes, strict=True)]}
 
 
 def chat_completion(gen: Generation, model: str) -> dict:
     logprobs = None
     if gen.logprobs is not None:
-        logprobs = {"content": [{**_token_entry(lp.token, lp.logprob),
-                                 "top_logprobs": [_token_entry(t, v) for t, v in lp.top]} for lp in gen.logprobs],
-                    "refusal": None}
+        logprobs = {"content": [_content_entry(lp) for lp in gen.logprobs], "refusal": None}
     return {
         "id": _new_id("chatcmpl-"), "object": "chat.completion", "created": gen.created, "model": model,
         "choices": [{"index": 0, "message": {"role": "assistant", "content": gen.text, "refusal": None},

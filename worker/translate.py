@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import json
+import re
 import time
+from collections.abc import Callable
 
 from transformers import PreTrainedTokenizerBase
+from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from api.schemas import CHAT_URL, PROMPT_FIELDS, Body, Generation, TokenLogprob, chat_messages, sampling_args
 from worker.engine import InputProcessor, RequestOutput, RequestRejected, SamplingParams
@@ -39,14 +43,47 @@ def engine_inputs(processor: InputProcessor, url: str, body: Body) -> tuple[list
     return token_ids, params
 
 
+PieceBytes = Callable[[str], bytes | None]
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+def piece_bytes(tokenizer: PreTrainedTokenizerBase) -> PieceBytes | None:
+    """vocabulary piece -> the raw bytes it decodes to, as the tokenizer's decoder reads pieces; None for a decoder
+    of neither kind below (a token's bytes are then its text's). Partial UTF-8 characters decode to U+FFFD, so
+    OpenAI's logprob `bytes` must come from the piece, not from the token's text."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)  # a slow (Python) tokenizer has none
+    decoder = backend.decoder if backend is not None else None
+    kinds = _decoder_types(json.loads(decoder.__getstate__())) if decoder is not None else set()
+    if "ByteLevel" in kinds:  # GPT-2, Llama 3, Qwen2: each byte is spelled as one printable character
+        table = {char: byte for byte, char in bytes_to_unicode().items()}
+        return lambda piece: bytes(table[c] for c in piece) if all(c in table for c in piece) else None
+    if kinds & {"ByteFallback", "Metaspace"}:  # SentencePiece (Llama 2, Mistral): "▁" spells a space
+        return _sentencepiece_bytes
+    return None
+
+
+def _decoder_types(config: dict) -> set[str]:
+    """The types of a decoder and, for a Sequence, of the decoders in it."""
+    return {config["type"]}.union(*(_decoder_types(d) for d in config.get("decoders", [])))
+
+
+def _sentencepiece_bytes(piece: str) -> bytes:
+    byte = _BYTE_PIECE.fullmatch(piece)  # a byte-fallback token <0xNN> is that one byte
+    return bytes([int(byte[1], 16)]) if byte else piece.replace("\u2581", " ").encode("utf-8")
+
+
 class Responses:
-    """Builds response generations from engine outputs, caching each token's text for logprobs; decodes the text
-    of an output the engine did not detokenize (SamplingParams.detokenize=False) as the engine would have."""
+    """Builds response generations from engine outputs, caching each token's text and bytes for logprobs; decodes
+    the text of an output the engine did not detokenize (SamplingParams.detokenize=False) as the engine would have."""
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase):
         self.tokenizer = tokenizer
         self.texts = TokenText.of(tokenizer)
         self.token_text: dict[int, str] = {}
+        self.piece_bytes = piece_bytes(tokenizer)
+        # added tokens (special ones included) are kept as their text in the vocabulary, never byte-encoded
+        self.added_ids = self.texts.special_ids | set(getattr(tokenizer, "added_tokens_decoder", {}))
+        self.token_bytes: dict[int, bytes | None] = {}
         # a token's text is read after this one: alone, decode() drops a SentencePiece token's leading space
         self.anchor = tokenizer.encode("a", add_special_tokens=False)
         self.anchor_text = tokenizer.decode(self.anchor)
@@ -54,7 +91,8 @@ class Responses:
     def generation(self, out: RequestOutput) -> Generation:
         logprobs = None
         if out.logprobs is not None:
-            logprobs = [TokenLogprob(self._token(lp.token_id), lp.logprob, [(self._token(t), v) for t, v in lp.top])
+            logprobs = [TokenLogprob(self._token(lp.token_id), lp.logprob, [(self._token(t), v) for t, v in lp.top],
+                                     self._bytes(lp.token_id), [self._bytes(t) for t, _ in lp.top])
                         for lp in out.logprobs]
         text = out.text
         if text is None:
@@ -73,3 +111,12 @@ class Responses:
                 text = after[len(self.anchor_text):] if after.startswith(self.anchor_text) else text
             self.token_text[token_id] = text
         return self.token_text[token_id]
+
+    def _bytes(self, token_id: int) -> bytes | None:
+        """The token's raw bytes; None where the vocabulary does not tell them (its text's bytes stand in)."""
+        if token_id not in self.token_bytes:
+            piece = None
+            if self.piece_bytes is not None and token_id not in self.added_ids:
+                piece = self.texts.to_token(token_id)
+            self.token_bytes[token_id] = self.piece_bytes(piece) if piece is not None else None
+        return self.token_bytes[token_id]
