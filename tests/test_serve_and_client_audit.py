@@ -157,11 +157,11 @@ def test_map_documents_keys_every_result_by_its_document(served):
     url, key = served
     with Client(url, key, poll_interval=0.1) as client:
         results = client.map_documents("Summarise {text}", {"": "no id", "ok": "fine", "odd\ud800": "bad id"},
-                                       model="tiny", max_tokens=4, progress=False)
+                                       model="tiny", max_tokens=4, temperature=0, progress=False)
     # the server's error lines for ids it refused carried custom_id None (or a readable copy of the id)
     assert set(results) == {"", "ok", "odd\ud800"}
     assert results[""]["error"]["param"] == "custom_id" and results["odd\ud800"]["error"]["code"] == "invalid_value"
-    assert text_of(results["ok"])
+    assert text_of(results["ok"])  # greedy: sampled, the tiny model's first token may be its eos (no text)
 
 
 @pytest.mark.parametrize("base_url", ["localhost:8000", "127.0.0.1:8000/v1"])
