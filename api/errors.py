@@ -11,12 +11,16 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException
+from starlette.routing import Match
 
 from api.schemas import readable
 from api.store import Conflict, InvalidInput, NotFound, StoreError
 
 VALIDATION_CODES = {"missing": "missing_required_parameter", "extra_forbidden": "unknown_parameter"}
 VALIDATION_DETAILS = {"missing": "required field is missing", "extra_forbidden": "unknown field"}
+# the openai SDK retries a 409 (a lock timeout, to OpenAI) unless told not to; sluice's conflicts are final
+NO_RETRY = {"x-should-retry": "false"}
+METHODS = ("GET", "POST", "PUT", "PATCH", "DELETE")
 
 
 class ErrorBody(BaseModel):
@@ -62,7 +66,7 @@ async def _store_error(_request: Request, e: StoreError) -> JSONResponse:
     if isinstance(e, NotFound):
         return error_response(404, str(e), code="not_found")
     if isinstance(e, Conflict):
-        return error_response(409, str(e), e.param, "conflict")
+        return error_response(409, str(e), e.param, "conflict", NO_RETRY)
     if isinstance(e, InvalidInput):
         return error_response(400, str(e), e.param, e.code)
     return error_response(400, str(e), code="invalid_value")
@@ -83,9 +87,24 @@ async def _validation_error(_request: Request, e: RequestValidationError) -> JSO
     return error_response(400, "; ".join(described), param, VALIDATION_CODES.get(first["type"], "invalid_value"))
 
 
-async def _http_error(_request: Request, e: HTTPException) -> JSONResponse:
-    code = {404: "unknown_url", 405: "method_not_allowed"}.get(e.status_code)
-    return error_response(e.status_code, str(e.detail), code=code, headers=e.headers)
+async def _http_error(request: Request, e: HTTPException) -> JSONResponse:
+    call = f"{request.method} {request.url.path}"
+    if e.status_code == 404:  # no route: say which, since a base_url without /v1 is a common slip
+        return error_response(404, f"no route {call}: the API's routes are under /v1 (an SDK's base_url ends in "
+                                   "/v1)", code="unknown_url")
+    if e.status_code == 405:
+        allowed = ", ".join(_allowed_methods(request))
+        return error_response(405, f"{call} is not allowed; this path takes {allowed}", code="method_not_allowed",
+                              headers={"Allow": allowed})
+    return error_response(e.status_code, str(e.detail), headers=e.headers)
+
+
+def _allowed_methods(request: Request) -> list[str]:
+    """Every method some route takes at this path (Starlette's 405 names only the first such route's), asked of the
+    routes themselves: FastAPI's included routers do not list their routes' methods."""
+    return [method for method in METHODS
+            if any(route.matches({**request.scope, "method": method})[0] == Match.FULL
+                   for route in request.app.routes)]
 
 
 async def _crash(_request: Request, _e: Exception) -> JSONResponse:

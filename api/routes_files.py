@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from typing import Annotated, Literal
+from urllib.parse import quote
 
 from fastapi import APIRouter, File, Form, Query, UploadFile
 from fastapi.responses import Response, StreamingResponse
@@ -24,7 +25,6 @@ from api.deps import ServicesDep
 from api.errors import ApiError, ErrorResponse
 from api.models import File as FileRow
 from api.objects import FileDeleted, FileList, FileObject
-from api.routes_batches import owned_batch
 from api.store.views import keep_file_bytes, kept_file_bytes
 
 router = APIRouter(prefix="/v1/files", tags=["files"])
@@ -70,41 +70,46 @@ def list_files(svc: ServicesDep, me: CallerDep, after: str | None = None,
 
 @router.get("/{file_id}", response_model=FileObject, summary="Get a file's metadata")
 def get_file(svc: ServicesDep, me: CallerDep, file_id: str) -> FileObject:
-    if (view := store.view_file(file_id)) is not None:
-        kind, batch_id = view
-        with svc.sessions.begin() as session:
-            batch = owned_batch(session, batch_id, me.tenant_id)
-        size = kept_file_bytes(batch, kind)
-        if size is None:  # counted as downloaded; kept once the batch has ended, and read back after that
-            size = sum(len(chunk) for chunk in _view_chunks(svc.sessions, batch_id, kind))
-            with svc.sessions.begin() as session:
-                size = keep_file_bytes(session, batch, kind, size)
-        return FileObject(id=file_id, bytes=size, created_at=int(batch.created_at),
-                          filename=f"{batch_id}_{kind}.jsonl", purpose="batch_output", status="processed")
     with svc.sessions.begin() as session:
-        return _file_object(store.get_file(session, file_id, me.tenant_id))
+        if (view := store.owned_view(session, file_id, me.tenant_id)) is None:
+            return _file_object(store.get_file(session, file_id, me.tenant_id))
+    kind, batch = view
+    size = kept_file_bytes(batch, kind)
+    if size is None:  # counted as downloaded; kept once the batch has ended, and read back after that
+        size = sum(len(chunk) for chunk in _view_chunks(svc.sessions, batch.id, kind))
+        with svc.sessions.begin() as session:
+            size = keep_file_bytes(session, batch, kind, size)
+    return FileObject(id=file_id, bytes=size, created_at=int(batch.created_at), filename=f"{batch.id}_{kind}.jsonl",
+                      purpose="batch_output", status="processed")
 
 
 @router.get("/{file_id}/content", response_class=Response, responses=CONTENT, summary="Download a file")
 def file_content(svc: ServicesDep, me: CallerDep, file_id: str) -> Response:
-    if (view := store.view_file(file_id)) is not None:
-        kind, batch_id = view
-        with svc.sessions.begin() as session:
-            owned_batch(session, batch_id, me.tenant_id)
-        return StreamingResponse(_view_chunks(svc.sessions, batch_id, kind), media_type="application/octet-stream")
     with svc.sessions.begin() as session:
-        size = store.get_file(session, file_id, me.tenant_id).bytes
-    return StreamingResponse(_file_slices(svc.sessions, file_id, size), media_type="application/octet-stream",
-                             headers={"content-length": str(size)})
+        if (view := store.owned_view(session, file_id, me.tenant_id)) is not None:
+            kind, batch = view
+            return StreamingResponse(_view_chunks(svc.sessions, batch.id, kind), media_type="application/octet-stream",
+                                     headers=_attachment(f"{batch.id}_{kind}.jsonl"))
+        row = store.get_file(session, file_id, me.tenant_id)
+    return StreamingResponse(_file_slices(svc.sessions, file_id, row.bytes), media_type="application/octet-stream",
+                             headers={"content-length": str(row.bytes), **_attachment(row.filename or file_id)})
+
+
+def _attachment(filename: str) -> dict[str, str]:
+    """Content-Disposition naming the file as its FileObject does, so a browser or `curl -OJ` saves it by that name;
+    any name that is not plain ASCII goes percent-encoded (RFC 6266's filename*), as Starlette's FileResponse does."""
+    quoted = quote(filename)
+    if quoted == filename:
+        return {"content-disposition": f'attachment; filename="{filename}"'}
+    return {"content-disposition": f"attachment; filename*=utf-8''{quoted}"}
 
 
 @router.delete("/{file_id}", response_model=FileDeleted, summary="Delete an uploaded file")
 def delete_file(svc: ServicesDep, me: CallerDep, file_id: str) -> FileDeleted:
     with svc.sessions.begin() as session:
-        if (view := store.view_file(file_id)) is not None:
-            owned_batch(session, view[1], me.tenant_id)
-            raise ApiError(400, f"{file_id} is the {view[0]} file of batch {view[1]}, a view over its results; it "
-                                "cannot be deleted on its own", "file_id", "invalid_value")
+        if (view := store.owned_view(session, file_id, me.tenant_id)) is not None:
+            raise ApiError(400, f"{file_id} is the {view[0]} file of batch {view[1].id}, a view over its results; "
+                                "it cannot be deleted on its own", "file_id", "invalid_value")
         store.delete_file(session, file_id, me.tenant_id)
     return FileDeleted(id=file_id, deleted=True)
 

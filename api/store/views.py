@@ -15,7 +15,7 @@ from sqlalchemy.orm import Session
 
 from api.models import Batch, Request, Result
 from api.schemas import LineError, error_line, output_line
-from api.store.common import BATCHES, InvalidInput, NotFound
+from api.store.common import BATCHES, REQUEST_PREFIX, InvalidInput, NotFound
 from api.store.ids import findable
 from api.store.usage import batch_usage
 from api.store.workers import live_workers
@@ -44,6 +44,18 @@ def view_file(file_id: str) -> tuple[str, str] | None:
         if file_id.startswith(prefix):
             return kind, file_id.removeprefix(prefix)
     return None
+
+
+def owned_view(session: Session, file_id: str, tenant_id: int) -> tuple[str, Batch] | None:
+    """("output" or "error", its batch) for the id of an output or error file of one of the tenant's batches; None
+    for any other id. A view of no batch of the tenant's (or of a single request's) is a file not found."""
+    if (view := view_file(file_id)) is None:
+        return None
+    kind, batch_id = view
+    batch = None if batch_id.startswith(REQUEST_PREFIX) or not findable(batch_id) else session.get(Batch, batch_id)
+    if batch is None or batch.tenant_id != tenant_id:
+        raise NotFound(f"file {file_id} not found")
+    return kind, batch
 
 
 def get_batch(session: Session, batch_id: str, tenant_id: int | None = None) -> Batch:
