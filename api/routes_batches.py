@@ -35,10 +35,14 @@ class BatchCreate(BaseModel):
     endpoint: str
     completion_window: str
     metadata: dict[str, str] | None = None
+    output_expires_after: dict | None = None  # OpenAI's; sluice keeps output until the batch's data is deleted
 
 
 @router.post("", response_model=BatchObject, summary="Create a batch from an uploaded file")
 def create_batch(body: BatchCreate, svc: ServicesDep, me: CallerDep) -> dict:
+    if body.output_expires_after is not None:  # refused, not ignored: a caller relying on it would keep data longer
+        raise ApiError(400, "output_expires_after is not supported: sluice keeps a batch's output and error files "
+                            "for as long as the batch", "output_expires_after", "unsupported_value")
     with svc.sessions.begin() as session:
         hold_key(session, me)
         if (view := store.owned_view(session, body.input_file_id, me.tenant_id)) is not None:

@@ -42,8 +42,11 @@ def upload_limit(max_bytes: int) -> Limit:
 
 @router.post("", response_model=FileObject, summary="Upload a batch input file",
              responses={413: {"model": ErrorResponse}})
-def upload_file(svc: ServicesDep, me: CallerDep, file: Annotated[UploadFile, File()],
-                purpose: Annotated[str, Form()]) -> FileObject:
+def upload_file(svc: ServicesDep, me: CallerDep, file: Annotated[UploadFile, File()], purpose: Annotated[str, Form()],
+                expires_after: Annotated[str | None, Form(alias="expires_after[anchor]")] = None) -> FileObject:
+    if expires_after is not None:  # the SDK's expires_after={...} as form fields; refused, not ignored
+        raise ApiError(400, "expires_after is not supported: sluice keeps a file until it is deleted",
+                       "expires_after", "unsupported_value")
     limit = svc.settings.max_file_bytes
     data = file.file.read(limit + 1)
     if len(data) > limit:

@@ -101,3 +101,20 @@ def test_a_download_names_its_file(api, tenant_key, openai_client, filename, dis
     with client.files.with_streaming_response.content(batch.output_file_id) as response:
         assert response.headers["content-disposition"] == f'attachment; filename="{batch.id}_output.jsonl"'
         assert response.headers["content-type"] == "application/octet-stream"
+
+
+def test_expiry_settings_are_refused_not_ignored(api, tenant_key, openai_client):
+    """files.create(expires_after=...) was accepted and ignored (the file kept past it), while batches.create's
+    output_expires_after was an unknown parameter: both are documented fields sluice does not honour."""
+    client = openai_client(tenant_key())
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.files.create(file=("in.jsonl", jsonl([chat("a")])), purpose="batch",
+                            expires_after={"anchor": "created_at", "seconds": 3600})
+    assert refused.value.code == "unsupported_value" and refused.value.param == "expires_after"
+    assert not client.files.list().data
+    file = client.files.create(file=("in.jsonl", jsonl([chat("a")])), purpose="batch")
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.batches.create(input_file_id=file.id, endpoint="/v1/chat/completions", completion_window="24h",
+                              output_expires_after={"anchor": "created_at", "seconds": 3600})
+    assert refused.value.code == "unsupported_value" and refused.value.param == "output_expires_after"
+    assert not client.batches.list().data
