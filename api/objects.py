@@ -80,7 +80,7 @@ class BatchObject(BaseModel):
     id: str
     object: Literal["batch"] = "batch"
     endpoint: str
-    model: str
+    model: str | None = Field(description="the model of its requests; null when no line named one validly")
     errors: BatchErrors | None
     input_file_id: str
     completion_window: str

@@ -71,7 +71,7 @@ def batch_view(session: Session, batch: Batch) -> dict:
     requests are queued for a model that no live worker serves."""
     unfinished = batch.request_total - batch.request_completed - batch.request_failed
     return {
-        "id": batch.id, "object": "batch", "endpoint": batch.endpoint, "model": batch.model,
+        "id": batch.id, "object": "batch", "endpoint": batch.endpoint, "model": batch.model or None,
         "errors": {"object": "list", "data": batch.errors} if batch.errors else None,
         "input_file_id": batch.input_file_id, "completion_window": batch.completion_window, "status": batch.status,
         "output_file_id": output_file_id(batch.id) if batch.request_completed else None,

@@ -137,9 +137,11 @@ def test_unusable_file_makes_a_failed_batch_with_errors(api, tenant_key, openai_
         file = store.store_file(session, tenant.id, "big.jsonl", "batch", jsonl([chat(str(i)) for i in range(60)]))
     client = openai_client(key)
     batch = client.batches.create(input_file_id=file.id, endpoint="/v1/chat/completions", completion_window="24h")
-    assert batch.status == "failed" and batch.failed_at
+    assert batch.status == "failed" and batch.failed_at and batch.model is None  # not "": no line named one
     [error] = batch.errors.data
     assert (error.code, error.line) == ("too_many_lines", 51) and "at most 50" in error.message
+    invalid = create(client, ["not json", chat("b", model="")])  # every line refused: a batch of error lines only
+    assert invalid.request_counts.failed == 2 and invalid.model is None
 
 
 def test_unknown_batch_ids_are_404(api, tenant_key, openai_client):
