@@ -34,6 +34,32 @@ def test_the_backend_path_gives_the_wrappers_text(tokenizer_dir):
         assert _text(fast, tokenizer, prompt, output) == _text(wrapped, tokenizer, prompt, output)
 
 
+def test_a_byte_level_text_at_once_is_the_replays(tokenizer_dir, monkeypatch):
+    """decode() takes a byte-level tokenizer's text in two decodes where it has no U+FFFD: the same text as the
+    token-by-token replay (the engine's algorithm), whole characters split across tokens, special tokens, ids past
+    the vocabulary and a stop token's text left out included; where it has one, the replay itself."""
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    fast = TokenText.of(tokenizer)
+    assert fast.byte_level
+    replay = TokenText(fast.to_token, fast.to_string, fast.special_ids)  # byte_level False: the replay alone
+    rng, vocab, specials = random.Random(2), len(tokenizer), sorted(fast.special_ids)
+    words = [tokenizer.encode(w, add_special_tokens=False) for w in (" 中文", "字", " 😀", " ok", "é!", " the")]
+    taken, at_once = [], detokenizer._at_once
+    monkeypatch.setattr(detokenizer, "_at_once", lambda *a: taken.append(result := at_once(*a)) or result)
+    for _ in range(400):
+        prompt = [i for _ in range(rng.randrange(1, 4)) for i in rng.choice(words)]
+        prompt += [rng.randrange(vocab)] if rng.random() < 0.2 else []  # at times ending inside a character
+        output = []
+        while len(output) < 20:  # mostly whole characters, some split ones, specials and ids past the vocabulary
+            pick = rng.random()
+            output += (rng.choice(words) if pick < 0.7 else [rng.choice(specials)] if pick < 0.8
+                       else [vocab + 7] if pick < 0.83 else [rng.randrange(vocab)])
+        stopped = rng.random() < 0.5
+        expected = detokenizer.decode(tokenizer, replay, prompt, output, stopped)
+        assert detokenizer.decode(tokenizer, fast, prompt, output, stopped) == expected
+    assert len(taken) == 400 and sum(r is not None for r in taken) > 150 and sum(r is None for r in taken) > 20
+
+
 def test_a_tokenizer_class_with_its_own_wrappers_keeps_them(tokenizer_dir):
     base = AutoTokenizer.from_pretrained(tokenizer_dir)
 
