@@ -46,18 +46,21 @@ def test_a_byte_level_text_at_once_is_the_replays(tokenizer_dir, monkeypatch):
     words = [tokenizer.encode(w, add_special_tokens=False) for w in (" 中文", "字", " 😀", " ok", "é!", " the")]
     taken, at_once = [], detokenizer._at_once
     monkeypatch.setattr(detokenizer, "_at_once", lambda *a: taken.append(result := at_once(*a)) or result)
-    for _ in range(400):
+    for n in range(2000):
         prompt = [i for _ in range(rng.randrange(1, 4)) for i in rng.choice(words)]
         prompt += [rng.randrange(vocab)] if rng.random() < 0.2 else []  # at times ending inside a character
-        output = []
-        while len(output) < 20:  # mostly whole characters, some split ones, specials and ids past the vocabulary
+        output, words_share = [], 0.7 if n % 2 else 0.0  # every other output: any ids, stray bytes throughout
+        while len(output) < 20:  # whole characters, split ones, specials and ids past the vocabulary
             pick = rng.random()
-            output += (rng.choice(words) if pick < 0.7 else [rng.choice(specials)] if pick < 0.8
-                       else [vocab + 7] if pick < 0.83 else [rng.randrange(vocab)])
+            output += (rng.choice(words) if pick < words_share else [rng.choice(specials)]
+                       if pick < words_share + 0.1 else [vocab + 7] if pick < words_share + 0.13
+                       else [rng.randrange(vocab)])
         stopped = rng.random() < 0.5
         expected = detokenizer.decode(tokenizer, replay, prompt, output, stopped)
         assert detokenizer.decode(tokenizer, fast, prompt, output, stopped) == expected
-    assert len(taken) == 400 and sum(r is not None for r in taken) > 150 and sum(r is None for r in taken) > 20
+    at_once = [r for r in taken if r is not None]
+    assert len(taken) == 2000 and len(at_once) > 1000 and len(taken) - len(at_once) > 100  # both paths
+    assert sum("\ufffd" in r[0] for r in at_once) > 100  # stray bytes inside the text, taken at once
 
 
 def test_a_tokenizer_class_with_its_own_wrappers_keeps_them(tokenizer_dir):

@@ -95,13 +95,14 @@ def decode(tokenizer, text: TokenText, prompt_token_ids: list[int], token_ids: l
 
 def _at_once(tokenizer, text: TokenText, context: list[str], token_ids: list[int],
              stopped_by_token: bool) -> tuple[str] | None:
-    """The replay's text in two decodes instead of two a token (a quarter of the time), for a byte-level decoder
-    whose text has no U+FFFD: then every piece the replay emits ends on a whole character, and they join into the
-    text after the context. A U+FFFD (a character split at the end, or bytes no character takes) needs the replay,
-    which holds such bytes back. (text,) or None."""
+    """The replay's text in two decodes instead of two a token, for a byte-level decoder (lossy UTF-8 of the tokens'
+    bytes): each piece the replay emits ends where its decode did not end in U+FFFD, so on a character boundary,
+    from which lossy decoding goes on as if the bytes before were not there; the pieces therefore join into the
+    text after the context, U+FFFD for stray bytes included. Not where the context holds a U+FFFD (it may end inside
+    a character the output completes) or the text ends in one (the replay holds such bytes back). (text,) or None."""
     kept = [t for t in text.tokens(tokenizer, token_ids[:-1] if stopped_by_token else token_ids) if t is not None]
     prefix, whole = text.to_string(context), text.to_string(context + kept)
-    if "\ufffd" in whole or not whole.startswith(prefix):
+    if "\ufffd" in prefix or whole.endswith("\ufffd") or not whole.startswith(prefix):
         return None
     return (whole[len(prefix):],)
 
