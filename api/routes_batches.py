@@ -45,11 +45,6 @@ def create_batch(body: BatchCreate, svc: ServicesDep, me: CallerDep) -> dict:
                             "for as long as the batch", "output_expires_after", "unsupported_value")
     with svc.sessions.begin() as session:
         hold_key(session, me)
-        if (view := store.owned_view(session, body.input_file_id, me.tenant_id)) is not None:
-            # found by files.retrieve, so not a 404: refused as any file whose purpose is not batch
-            raise ApiError(400, f"file {body.input_file_id} is the {view[0]} file of batch {view[1].id} (purpose "
-                                "'batch_output'); a batch needs an uploaded file of purpose 'batch'",
-                           "input_file_id", "invalid_value")
         batch, work = store.create_batch(session, me.tenant_id, body.input_file_id, endpoint=body.endpoint,
                                          completion_window=body.completion_window, metadata=body.metadata,
                                          max_lines=svc.settings.max_batch_lines)

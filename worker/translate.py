@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import re
 import time
 from collections.abc import Callable
@@ -12,7 +11,7 @@ from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from api.schemas import CHAT_URL, PROMPT_FIELDS, Body, Generation, TokenLogprob, chat_messages, sampling_args
 from worker.engine import InputProcessor, RequestOutput, RequestRejected, SamplingParams
-from worker.engine.detokenizer import TokenText, decode
+from worker.engine.detokenizer import TokenText, decode, decoder_types
 
 
 class PromptError(ValueError):
@@ -52,19 +51,13 @@ def piece_bytes(tokenizer: PreTrainedTokenizerBase) -> PieceBytes | None:
     of neither kind below (a token's bytes are then its text's). Partial UTF-8 characters decode to U+FFFD, so
     OpenAI's logprob `bytes` must come from the piece, not from the token's text."""
     backend = getattr(tokenizer, "backend_tokenizer", None)  # a slow (Python) tokenizer has none
-    decoder = backend.decoder if backend is not None else None
-    kinds = _decoder_types(json.loads(decoder.__getstate__())) if decoder is not None else set()
+    kinds = set(decoder_types(backend.decoder if backend is not None else None))
     if "ByteLevel" in kinds:  # GPT-2, Llama 3, Qwen2: each byte is spelled as one printable character
         table = {char: byte for byte, char in bytes_to_unicode().items()}
         return lambda piece: bytes(table[c] for c in piece) if all(c in table for c in piece) else None
     if kinds & {"ByteFallback", "Metaspace"}:  # SentencePiece (Llama 2, Mistral): "▁" spells a space
         return _sentencepiece_bytes
     return None
-
-
-def _decoder_types(config: dict) -> set[str]:
-    """The types of a decoder and, for a Sequence, of the decoders in it."""
-    return {config["type"]}.union(*(_decoder_types(d) for d in config.get("decoders", [])))
 
 
 def _sentencepiece_bytes(piece: str) -> bytes:

@@ -25,6 +25,7 @@ from api.store.common import REQUEST_PREFIX, InvalidInput, error_result, insert_
 from api.store.files import MAX_FILE_BYTES, file_content, get_file, store_file
 from api.store.lifecycle import settle
 from api.store.tenants import get_or_create_tenant
+from api.store.views import owned_view
 from api.store.webhooks import notify
 
 MAX_LINES = 50_000  # OpenAI's limit of requests per batch
@@ -85,6 +86,9 @@ def create_batch(session: Session, tenant_id: int, input_file_id: str, *, endpoi
                  priority: int = DEFAULT_PRIORITY, max_lines: int = MAX_LINES) -> tuple[Batch, Work | None]:
     """Validate the file's lines and store the batch with its requests; returns the batch and the work to publish
     after commit (None when nothing is left to run). A bad argument raises InvalidInput and stores nothing."""
+    if (view := owned_view(session, input_file_id, tenant_id)) is not None:  # files.retrieve finds it: not a 404
+        raise InvalidInput(f"file {input_file_id} is the {view[0]} file of batch {view[1].id} (purpose "
+                           "'batch_output'); a batch needs an uploaded file of purpose 'batch'", "input_file_id")
     file = get_file(session, input_file_id, tenant_id)
     if file.purpose != "batch":
         raise InvalidInput(f"file {input_file_id} has purpose {file.purpose!r}; a batch needs purpose 'batch'",

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterator
+from contextlib import suppress
 
 from sqlalchemy import select, tuple_, update
 from sqlalchemy.orm import Session
@@ -52,10 +53,10 @@ def owned_view(session: Session, file_id: str, tenant_id: int) -> tuple[str, Bat
     if (view := view_file(file_id)) is None:
         return None
     kind, batch_id = view
-    batch = None if batch_id.startswith(REQUEST_PREFIX) or not findable(batch_id) else session.get(Batch, batch_id)
-    if batch is None or batch.tenant_id != tenant_id:
-        raise NotFound(f"file {file_id} not found")
-    return kind, batch
+    if not batch_id.startswith(REQUEST_PREFIX):
+        with suppress(NotFound):
+            return kind, get_batch(session, batch_id, tenant_id)
+    raise NotFound(f"file {file_id} not found")
 
 
 def get_batch(session: Session, batch_id: str, tenant_id: int | None = None) -> Batch:

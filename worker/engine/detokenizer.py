@@ -42,8 +42,16 @@ class TokenText:
         if backend is None or not _base_wrappers(type(tokenizer)):
             return cls(tokenizer.convert_ids_to_tokens, tokenizer.convert_tokens_to_string, special)
         decoder = backend.decoder
-        byte_level = decoder is not None and json.loads(decoder.__getstate__()).get("type") == "ByteLevel"
+        byte_level = decoder_types(decoder) == ("ByteLevel",)
         return cls(backend.id_to_token, decoder.decode if decoder is not None else " ".join, special, byte_level)
+
+
+def decoder_types(decoder) -> tuple[str, ...]:
+    """A tokenizers decoder's type, then those of the decoders in it (a Sequence's), depth first; () for None."""
+    def types(config: dict) -> tuple[str, ...]:
+        return (config["type"], *(t for d in config.get("decoders", []) for t in types(d)))
+
+    return () if decoder is None else types(json.loads(decoder.__getstate__()))
 
 
 def special_ids_of(tokenizer) -> frozenset[int]:
@@ -87,24 +95,25 @@ def decode(tokenizer, text: TokenText, prompt_token_ids: list[int], token_ids: l
     `stopped_by_token`: the last token was an eos or stop token, whose text the engine leaves out."""
     state = Replay(prompt_token_ids)
     start(tokenizer, state, text)
-    if text.byte_level and (whole := _at_once(tokenizer, text, state.detok_tokens, token_ids, stopped_by_token)):
-        return whole[0]
+    if text.byte_level and (whole := _at_once(tokenizer, text, state.detok_tokens, token_ids,
+                                              stopped_by_token)) is not None:
+        return whole
     pieces = [append(text, state, t) for t in token_ids]
     return "".join(pieces[:-1] if stopped_by_token else pieces)
 
 
 def _at_once(tokenizer, text: TokenText, context: list[str], token_ids: list[int],
-             stopped_by_token: bool) -> tuple[str] | None:
+             stopped_by_token: bool) -> str | None:
     """The replay's text in two decodes instead of two a token, for a byte-level decoder (lossy UTF-8 of the tokens'
     bytes): each piece the replay emits ends where its decode did not end in U+FFFD, so on a character boundary,
     from which lossy decoding goes on as if the bytes before were not there; the pieces therefore join into the
     text after the context, U+FFFD for stray bytes included. Not where the context holds a U+FFFD (it may end inside
-    a character the output completes) or the text ends in one (the replay holds such bytes back). (text,) or None."""
+    a character the output completes) or the text ends in one (the replay holds such bytes back): None there."""
     kept = [t for t in text.tokens(tokenizer, token_ids[:-1] if stopped_by_token else token_ids) if t is not None]
     prefix, whole = text.to_string(context), text.to_string(context + kept)
     if "\ufffd" in prefix or whole.endswith("\ufffd") or not whole.startswith(prefix):
         return None
-    return (whole[len(prefix):],)
+    return whole[len(prefix):]
 
 
 def start(tokenizer, seq: State, text: TokenText) -> None:
