@@ -22,6 +22,7 @@ from sqlalchemy import (
     String,
     Text,
     UniqueConstraint,
+    text,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
@@ -135,14 +136,23 @@ class Batch(Base):
     cancelled_at: Mapped[float | None]
 
 
+def _where_status(name: str, column: str, status: str) -> Index:
+    """An index of `column` over the requests of one status (a literal there: queries name it likewise)."""
+    where = text(f"status = '{status}'")
+    return Index(name, column, postgresql_where=where, sqlite_where=where)
+
+
 class Request(Base):
     """One input line. An invalid line is a failed request with a result holding its error and no body."""
 
     __tablename__ = "requests"
     __table_args__ = (UniqueConstraint("batch_id", "custom_id"),
                       UniqueConstraint("batch_id", "line"),  # also the order of output files
-                      Index("ix_requests_status_lease", "status", "lease_expires_at"),
-                      Index("ix_requests_status_published", "status", "published_at"))
+                      # the reconciler's and the gauges' lookups, over the rows they look for only: a request is
+                      # in neither once it has finished, so its finishing update (like the insert of a finished,
+                      # invalid line) writes no entry in them, and they stay the size of the work in flight
+                      _where_status("ix_requests_running_lease", "lease_expires_at", "running"),
+                      _where_status("ix_requests_queued_published", "published_at", "queued"))
 
     id: Mapped[int] = mapped_column(BigId, primary_key=True)
     batch_id: Mapped[str] = mapped_column(ForeignKey("batches.id", ondelete="CASCADE"))

@@ -16,7 +16,7 @@ from sqlalchemy.orm import Session
 
 from api.models import Batch, Request, Result
 from api.store.batches import Work
-from api.store.common import batch_in, error_result, insert, lease_expired, lock_batches
+from api.store.common import QUEUED, batch_in, error_result, insert, lease_expired, lock_batches
 from api.store.lifecycle import count_and_settle, settle
 
 MAX_ATTEMPTS = 3  # workers that died running a request this many times: fail it rather than kill a fourth
@@ -84,7 +84,7 @@ def models_with_waiting_requests(session: Session) -> list[str]:
 
 def _waiting(now: float):
     """Requests that wait for a worker to take them: queued, or running under a lease that ran out."""
-    return or_(Request.status == "queued", lease_expired(now))
+    return or_(Request.status == QUEUED, lease_expired(now))
 
 
 def _work(session: Session, rows: list[Row]) -> list[Work]:

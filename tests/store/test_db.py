@@ -141,3 +141,26 @@ def test_the_results_migration_names_stored_results_batch_and_line_and_downgrade
                                                                                              "results")]
         assert counts == [2, 4, 3]
         assert "usage_cost" not in {c["name"] for c in inspect(engine).get_columns("batches")}
+
+
+@pytest.mark.parametrize("dialect", ["postgresql", "sqlite"])
+def test_the_requests_status_indexes_hold_only_running_and_queued_requests_and_downgrade(dialect, tmp_path):
+    """Migration 0005: the reconciler's indexes are partial, as api.models declares them (autogenerate compares an
+    index's columns, not its WHERE); its downgrade brings back the full ones."""
+    def requests_indexes(engine) -> dict[str, tuple[list, str | None]]:
+        found = {}
+        for index in inspect(engine).get_indexes("requests"):
+            where = index.get("dialect_options", {}).get(f"{dialect}_where")
+            found[index["name"]] = (index["column_names"], where if where is None else str(where))
+        return {name: value for name, value in found.items() if name.startswith("ix_")}
+
+    with database_at(dialect, "head", tmp_path) as engine:
+        indexes = requests_indexes(engine)
+        assert set(indexes) == {"ix_requests_running_lease", "ix_requests_queued_published"}
+        assert indexes["ix_requests_running_lease"][0] == ["lease_expires_at"]
+        assert "'running'" in indexes["ix_requests_running_lease"][1]
+        assert indexes["ix_requests_queued_published"][0] == ["published_at"]
+        assert "'queued'" in indexes["ix_requests_queued_published"][1]
+        downgrade(engine, "0004")
+        assert requests_indexes(engine) == {"ix_requests_status_lease": (["status", "lease_expires_at"], None),
+                                            "ix_requests_status_published": (["status", "published_at"], None)}

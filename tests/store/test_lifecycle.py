@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import re
 import time
 from functools import partial
 
+import psycopg
 import pytest
-from sqlalchemy import select, update
+from sqlalchemy import event, select, text, update
 from store_test_utils import batch_row, chat, ok, statuses, submit
 from test_leases import claim, endpoint, run_together, write
 
@@ -212,3 +214,46 @@ def test_reconcile_ends_a_cancel_whose_worker_died(sessions):
         session.execute(update(Batch).values(status="cancelling"))  # cancelled while the lease still ran
         assert store.recover_expired_leases(session) == []
     assert batch_row(sessions, batch.id).status == "cancelled"
+
+
+@pytest.mark.parametrize("engine", ["postgresql"], indirect=True)
+def test_the_reconciler_and_the_gauges_read_only_the_requests_in_flight_even_under_generic_plans(engine, sessions):
+    """Their lookups go through the partial indexes over running and queued requests, not over every request ever
+    run, also in the generic plan PostgreSQL gives a statement prepared and run often (psycopg prepares it at its
+    sixth run): a status passed as a bound parameter would hide which partial index applies there."""
+    _, work = submit(sessions, [chat(f"r{i}") for i in range(20_000)])
+    ids = work.request_ids
+    claim(sessions, ids[-200:-100], "w1", lease=-1)  # running under a lease that ran out
+    with engine.begin() as connection:  # the rest finished, the last 100 still queued
+        connection.execute(update(Request).where(Request.id < ids[-200]).values(status="completed"))
+        connection.execute(text("ANALYZE requests; ANALYZE batches"))
+    plans = []
+
+    def generic_plan(connection, cursor, statement, parameters, context, executemany):
+        if "FROM requests" not in statement and not statement.startswith("UPDATE requests"):
+            return
+        names = re.findall(r"%\((\w+)\)s", statement)
+        numbered = re.sub(r"%\((\w+)\)s", lambda m: f"${names.index(m[1]) + 1}", statement)
+        raw = connection.connection.driver_connection
+        raw.execute("SET LOCAL plan_cache_mode = force_generic_plan")
+        raw.execute(f"PREPARE generic AS {numbered}")
+        args = ", ".join(["%s"] * len(dict.fromkeys(names)))
+        rows = psycopg.ClientCursor(raw).execute(f"EXPLAIN EXECUTE generic({args})",
+                                                 [parameters[n] for n in dict.fromkeys(names)]).fetchall()
+        raw.execute("DEALLOCATE generic")
+        plans.append("\n".join(row[0] for row in rows))
+
+    event.listen(engine, "before_cursor_execute", generic_plan)
+    try:
+        with sessions.begin() as session:
+            assert store.requests_by_status(session, ("queued", "running")) == {("tiny", "queued"): 100,
+                                                                               ("tiny", "running"): 100}
+            assert store.models_with_waiting_requests(session) == ["tiny"]
+            assert [w.request_ids for w in store.recover_expired_leases(session)] == [ids[-200:-100]]
+            assert [w.request_ids for w in store.republish_stale(session, -10)] == [ids[-200:]]
+    finally:
+        event.remove(engine, "before_cursor_execute", generic_plan)
+    assert len(plans) >= 4
+    for plan in plans:
+        assert "Seq Scan on requests" not in plan, plan
+        assert "ix_requests_running_lease" in plan, plan  # each of them reads running requests
