@@ -76,6 +76,14 @@ def test_too_long_requests_are_rejected_and_others_go_on(llm):
     assert outs[1].error is None and outs[1].finish_reason in ("stop", "length")
 
 
+def test_prompt_token_ids_outside_the_vocabulary_are_rejected(llm):
+    vocab = llm.processor.model_config.vocab_size
+    for bad in ([5, vocab], [-1, 5], [vocab + 100], [5, 6, -3, 7]):
+        with pytest.raises(RequestRejected, match=rf"prompt token ids must be in \[0, {vocab}\)"):
+            llm.add_request(bad, SamplingParams(max_tokens=2))
+    llm.add_request([0, vocab - 1], SamplingParams(max_tokens=2))  # both ends are in it
+
+
 def test_requests_that_could_never_fit_the_cache_are_rejected(llama_dir):
     small = LLM(str(llama_dir), num_kv_blocks=2, block_size=4)
     with pytest.raises(RequestRejected, match="needs 3 KV blocks; the cache has 2"):

@@ -16,7 +16,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from concurrent.futures import CancelledError
+from concurrent.futures import CancelledError, wait
 from dataclasses import dataclass
 
 from celery import Celery
@@ -78,6 +78,11 @@ class GpuWorker:
         self.closed = threading.Event()
         self._grace: threading.Timer | None = None  # stops the engine when SIGTERM's grace period runs out
         self._maintenance = threading.Thread(target=self._maintain, name="maintenance", daemon=True)
+        # a claim is one UPDATE: on PostgreSQL it commits on its own, without the BEGIN and COMMIT round trips of a
+        # transaction, two of a chunk's nine (SQLite's writers keep their BEGIN IMMEDIATE, api.db)
+        bind = sessions.kw["bind"]
+        self._autocommit = (bind.execution_options(isolation_level="AUTOCOMMIT")
+                            if bind.dialect.name == "postgresql" else None)
 
     def start(self) -> GpuWorker:
         store.gpu_hour_cost()  # a bad SLUICE_GPU_HOUR_COST fails at start, not at the first result
@@ -107,7 +112,7 @@ class GpuWorker:
         with self.lock:  # one this worker runs already, sent again after its lease ran out while renewals failed:
             # the chunk running it stores its result; claimed here, the engine would refuse its id as a duplicate
             request_ids = [i for i in request_ids if i not in self.in_flight]
-        claimed = self._db(lambda s: store.claim(s, request_ids, self.id, self.settings.lease_seconds))
+        claimed = self._claim(request_ids)
         with self.lock:
             self.in_flight.update(c.id for c in claimed)
         try:
@@ -118,6 +123,16 @@ class GpuWorker:
             with self.lock:
                 self.in_flight.difference_update(c.id for c in claimed)
         return ChunkOutcome(finished, released)
+
+    def _claim(self, request_ids: list[int]) -> list[store.Claimed]:
+        claim = lambda db: store.claim(db, request_ids, self.id, self.settings.lease_seconds)
+        if self._autocommit is None:
+            return self._db(claim)
+
+        def once() -> list[store.Claimed]:
+            with self._autocommit.connect() as connection:
+                return claim(connection)
+        return retry_transient(once)
 
     def _run(self, claimed: list[store.Claimed]) -> tuple[list[store.RequestResult], list[int], list[int]]:
         """Results, the ids aborted in the engine, and those it never took (it had stopped or died)."""
@@ -136,7 +151,9 @@ class GpuWorker:
             runnable.append(c)
             submits.append(Submit(str(c.id), token_ids, params, c.priority, c.created_at))
         aborted, unrun = [], []
-        for c, future in zip(runnable, self.bridge.submit_many(submits)):
+        futures = self.bridge.submit_many(submits)
+        wait(futures)  # woken once, when the last has finished, rather than for each in turn
+        for c, future in zip(runnable, futures):
             try:
                 out = future.result()
             except RequestRejected as e:

@@ -12,7 +12,7 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import bindparam, select
+from sqlalchemy import Connection, bindparam, select
 from sqlalchemy.orm import Session
 
 from api.models import Result
@@ -99,10 +99,11 @@ class RequestResult:
                              f"{'a response' if self.response is not None else 'an error'}; 200 means a response")
 
 
-def claim(session: Session, request_ids: list[int], worker_id: str, lease_seconds: float) -> list[Claimed]:
+def claim(session: Session | Connection, request_ids: list[int], worker_id: str,
+          lease_seconds: float) -> list[Claimed]:
     """Take the requests that are queued, or running under an expired lease, in in_progress batches; the rest
     (finished, cancelled, held by a live worker, or that stopped MAX_ATTEMPTS workers) are skipped. Commit before
-    running them."""
+    running them. One statement: a connection in autocommit mode may run it."""
     now = time.time()
     rows = session.execute(CLAIM, {"ids": list(request_ids), "now": now, "owner": worker_id,
                                    "expires": now + lease_seconds}).all()

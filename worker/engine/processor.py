@@ -49,10 +49,14 @@ class InputProcessor:
 
     def token_ids(self, text: str, special: bool) -> list[int]:
         """tokenizer.encode(text)'s ids. A fast tokenizer's Rust core gives the same ids without transformers'
-        per-call wrapper, which costs as much again on a short prompt (a worker tokenizes every request)."""
+        per-call wrapper, which costs as much again on a short prompt (a worker tokenizes every request); its
+        encode_batch_fast (tokenizers >= 0.21) also skips the characters' offsets, which nothing here reads: 15
+        instead of 20 us for a 30-token chat prompt."""
         backend = getattr(self.tokenizer, "backend_tokenizer", None)
         if backend is None:
             return self.tokenizer.encode(text, add_special_tokens=special)
+        if hasattr(backend, "encode_batch_fast"):
+            return backend.encode_batch_fast([text], add_special_tokens=special)[0].ids
         return backend.encode(text, add_special_tokens=special).ids
 
     @property
@@ -65,7 +69,7 @@ class InputProcessor:
         if not token_ids:
             raise RequestRejected("the prompt is empty")
         vocab = self.model_config.vocab_size
-        if any(not 0 <= t < vocab for t in token_ids):
+        if min(token_ids) < 0 or max(token_ids) >= vocab:
             raise RequestRejected(f"prompt token ids must be in [0, {vocab})")
         total = len(token_ids) + params.max_tokens
         if total > self.max_model_len:
