@@ -104,14 +104,22 @@ def decode(tokenizer, text: TokenText, prompt_token_ids: list[int], token_ids: l
 
 def _at_once(tokenizer, text: TokenText, context: list[str], token_ids: list[int],
              stopped_by_token: bool) -> str | None:
-    """The replay's text in two decodes instead of two a token, for a byte-level decoder (lossy UTF-8 of the tokens'
-    bytes): each piece the replay emits ends where its decode did not end in U+FFFD, so on a character boundary,
-    from which lossy decoding goes on as if the bytes before were not there; the pieces therefore join into the
-    text after the context, U+FFFD for stray bytes included. Not where the context holds a U+FFFD (it may end inside
-    a character the output completes) or the text ends in one (the replay holds such bytes back): None there."""
+    """The replay's text in a few decodes instead of two a token, for a byte-level decoder (lossy UTF-8 of the
+    tokens' bytes): each piece the replay emits ends where its decode did not end in U+FFFD, so on a character
+    boundary, from which lossy decoding goes on as if the bytes before were not there; the pieces therefore join
+    into the text after the context, U+FFFD for stray bytes included. The replay never emits what follows its last
+    such boundary (a character the output ends inside, stray bytes at its end): the text of the tokens up to the
+    last one whose text does not end in U+FFFD. Not where the context holds a U+FFFD (it may end inside a character
+    the output completes): None there."""
     kept = [t for t in text.tokens(tokenizer, token_ids[:-1] if stopped_by_token else token_ids) if t is not None]
-    prefix, whole = text.to_string(context), text.to_string(context + kept)
-    if "\ufffd" in prefix or whole.endswith("\ufffd") or not whole.startswith(prefix):
+    prefix = text.to_string(context)
+    if "\ufffd" in prefix:
+        return None
+    end, whole = len(kept), text.to_string(context + kept)
+    while whole.endswith("\ufffd") and end > 0:  # held back by the replay: usually a token or two
+        end -= 1
+        whole = text.to_string(context + kept[:end])
+    if not whole.startswith(prefix):
         return None
     return whole[len(prefix):]
 
