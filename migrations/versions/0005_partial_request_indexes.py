@@ -2,6 +2,8 @@
 
 Each of a request's status changes (claimed, finished) wrote an entry in both full indexes, and they grew with every
 request ever run; partial ones take no entry when a request finishes and stay the size of the work in flight.
+Building them reads the requests table once, under a lock that holds its writes (claims, results) back meanwhile:
+seconds for millions of rows.
 
 Revision ID: 0005
 Revises: 0004

@@ -226,6 +226,8 @@ def test_the_reconciler_and_the_gauges_read_only_the_requests_in_flight_even_und
     claim(sessions, ids[-200:-100], "w1", lease=-1)  # running under a lease that ran out
     with engine.begin() as connection:  # the rest finished, the last 100 still queued
         connection.execute(update(Request).where(Request.id < ids[-200]).values(status="completed"))
+        # published an hour ago: before the leases ran out, however fast the lines above were stored
+        connection.execute(update(Request).values(published_at=Request.published_at - 3600))
         connection.execute(text("ANALYZE requests; ANALYZE batches"))
     plans = []
 
