@@ -1,5 +1,7 @@
-"""Ids in queries: a list of request ids as one bound parameter, `column = ANY(%(ids)s::BIGINT[])` on PostgreSQL,
-`column IN (SELECT value FROM json_each(?))` on SQLite; and which text ids (and cursors) a lookup may bind at all.
+"""Ids in queries: a list of request ids as one bound parameter, `column = ANY(CAST(%(ids)s AS BIGINT[]))` on
+PostgreSQL, `column IN (SELECT value FROM json_each(?))` on SQLite; and which text ids (and cursors) a lookup may bind
+at all. Either way the parameter is text (an array literal, a JSON array): psycopg adapts a list of ints in Python,
+one element at a time (36 us more a statement for a chunk of 32 ids, against a string it sends as it is).
 
 SQLAlchemy's expanding `in_()` renders one placeholder per id into the SQL on every execution, and psycopg then
 adapts each one; on a worker's hot path (four statements a chunk) that rendering cost more client CPU than the rest
@@ -9,11 +11,9 @@ chunk size.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable
 
-from sqlalchemy import BigInteger, Boolean, ColumnElement, Text
-from sqlalchemy.dialects.postgresql import ARRAY
+from sqlalchemy import Boolean, ColumnElement, Text
 from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.sql.visitors import InternalTraversal
 from sqlalchemy.types import TypeDecorator
@@ -22,17 +22,14 @@ from api.schemas import storable
 
 
 class IdList(TypeDecorator):
-    """Integer ids: a bigint[] on PostgreSQL, a JSON array's text on SQLite."""
+    """Integer ids, bound as text: a bigint[] literal on PostgreSQL ({1,2,3}), a JSON array on SQLite ([1,2,3])."""
 
     impl = Text
     cache_ok = True
 
-    def load_dialect_impl(self, dialect):
-        return dialect.type_descriptor(ARRAY(BigInteger()) if dialect.name == "postgresql" else Text())
-
     def process_bind_param(self, value: Iterable[int] | None, dialect):
-        ids = [int(i) for i in value or ()]
-        return ids if dialect.name == "postgresql" else json.dumps(ids)
+        ids = ",".join(str(int(i)) for i in value or ())
+        return f"{{{ids}}}" if dialect.name == "postgresql" else f"[{ids}]"
 
 
 class InIds(ColumnElement[bool]):
@@ -54,7 +51,7 @@ def _in_json_each(element: InIds, compiler, **kw) -> str:
 
 @compiles(InIds, "postgresql")
 def _any_array(element: InIds, compiler, **kw) -> str:
-    return f"{compiler.process(element.column, **kw)} = ANY({compiler.process(element.ids, **kw)})"
+    return f"{compiler.process(element.column, **kw)} = ANY(CAST({compiler.process(element.ids, **kw)} AS BIGINT[]))"
 
 
 def findable(text_id: str) -> bool:

@@ -32,7 +32,7 @@ from api.store.common import (
 )
 from api.store.lifecycle import USAGE, count_and_settle, settle
 from api.store.recovery import MAX_ATTEMPTS
-from api.store.usage import cost
+from api.store.usage import cost, gpu_hour_cost
 
 ACCEPTING = ("in_progress", "cancelling")  # batches whose running requests may still finish
 EXPIRES = bindparam("expires")
@@ -177,7 +177,8 @@ def write_results(session: Session, results: list[RequestResult], worker_id: str
         return []
     # none of them has a result yet: a result is written only by the transaction that moves its request out of
     # queued or running, and FINISH moved these (under their row locks) in this one
-    rows = {i: _result_row(by_id[i], batch_id, line, worker_id, now) for i, batch_id, line in finished}
+    hour_cost = gpu_hour_cost()  # once a chunk: it reads and checks the environment variable
+    rows = {i: _result_row(by_id[i], batch_id, line, worker_id, now, hour_cost) for i, batch_id, line in finished}
     insert_rows(session, Result.__table__, list(rows.values()))
     completed = Counter(b for i, b, _ in finished if by_id[i].error is None)
     failed = Counter(b for i, b, _ in finished if by_id[i].error is not None)
@@ -190,10 +191,12 @@ def write_results(session: Session, results: list[RequestResult], worker_id: str
     return sorted(request_id for request_id, _, _ in finished)
 
 
-def _result_row(r: RequestResult, batch_id: str, line: int, worker_id: str, now: float) -> dict[str, Any]:
+def _result_row(r: RequestResult, batch_id: str, line: int, worker_id: str, now: float,
+                hour_cost: float) -> dict[str, Any]:
     """The result's row; batch_id and line are its request's (as FINISH returned them)."""
     return {"request_id": r.request_id, "batch_id": batch_id, "line": line, "status_code": r.status_code,
             "response": r.response, "error": r.error, "prompt_tokens": r.prompt_tokens,
             "cached_tokens": r.cached_tokens, "completion_tokens": r.completion_tokens,
             "queue_seconds": r.queue_seconds, "ttft_seconds": r.ttft_seconds, "e2e_seconds": r.e2e_seconds,
-            "gpu_seconds": r.gpu_seconds, "cost": cost(r.gpu_seconds), "worker_id": worker_id, "finished_at": now}
+            "gpu_seconds": r.gpu_seconds, "cost": cost(r.gpu_seconds, hour_cost), "worker_id": worker_id,
+            "finished_at": now}

@@ -21,8 +21,9 @@ def gpu_hour_cost() -> float:
                          "give the price of one GPU-hour as a number >= 0")
 
 
-def cost(gpu_seconds: float) -> float:
-    return gpu_seconds * gpu_hour_cost() / 3600
+def cost(gpu_seconds: float, hour_cost: float | None = None) -> float:
+    """The price of `gpu_seconds` at `hour_cost` (default: gpu_hour_cost(), read again: give it to price many)."""
+    return gpu_seconds * (gpu_hour_cost() if hour_cost is None else hour_cost) / 3600
 
 
 def _sums():
