@@ -87,6 +87,7 @@ REQUESTS, BATCHES = Request.__table__.c, Batch.__table__.c
 # index only where it sees that the query's status is the index's, which a bound parameter hides from the generic
 # plan of a prepared statement
 QUEUED, RUNNING = literal_column("'queued'"), literal_column("'running'")
+INDEXED_STATUSES = {"queued": QUEUED, "running": RUNNING}
 
 
 def lock_batches(session: Session, batch_ids: Select | list[str]) -> list[str]:

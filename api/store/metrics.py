@@ -9,10 +9,11 @@ latencies, and a series labelled model="" would name nothing an operator can act
 
 from __future__ import annotations
 
-from sqlalchemy import case, func, literal_column, or_, select
+from sqlalchemy import case, func, or_, select
 from sqlalchemy.orm import Session
 
 from api.models import Batch, EfficiencyWindow, Request, Result
+from api.store.common import INDEXED_STATUSES
 from api.store.workers import live_workers
 
 HAS_MODEL = Batch.model != ""  # a batch whose every line failed validation may have none
@@ -21,9 +22,9 @@ HAS_MODEL = Batch.model != ""  # a batch whose every line failed validation may 
 def requests_by_status(session: Session, statuses: tuple[str, ...]) -> dict[tuple[str, str], int]:
     """{(served model, status): number of requests}, for the given request statuses (queued or running: those the
     requests' partial indexes hold, and name in the SQL as they do, so that no scrape reads every request ever)."""
-    if unknown := set(statuses) - {"queued", "running"}:
+    if unknown := set(statuses) - set(INDEXED_STATUSES):
         raise ValueError(f"no index serves requests of status {sorted(unknown)}")
-    of_status = or_(*(Request.status == literal_column(f"'{status}'") for status in statuses))
+    of_status = or_(*(Request.status == INDEXED_STATUSES[status] for status in statuses))
     rows = session.execute(select(Batch.model, Request.status, func.count()).join(Batch, Batch.id == Request.batch_id)
                            .where(of_status, HAS_MODEL).group_by(Batch.model, Request.status))
     return {(model, status): count for model, status, count in rows}

@@ -150,6 +150,8 @@ def test_metric_sums(sessions):
         session.execute(update(Result).values(ttft_seconds=0.2))
         assert store.requests_by_status(session, ("queued", "running")) == {("tiny", "queued"): 1,
                                                                            ("tiny", "running"): 1}
+        with pytest.raises(ValueError, match=r"no index serves requests of status \['completed'\]"):
+            store.requests_by_status(session, ("queued", "completed"))
         assert store.token_totals(session) == {"tiny": (7, 3)}
         assert store.latency_histogram(session, Result.ttft_seconds, (0.1, 0.5)) == {"tiny": ([0, 1], 0.2, 1)}
         assert store.latency_histogram(session, Result.e2e_seconds, (1.0,)) == {"tiny": ([1], 0.3, 1)}
