@@ -20,6 +20,7 @@ RUN if [ -n "$EXTRAS" ]; then pip install torch==2.13.0 --index-url "$TORCH_INDE
 
 WORKDIR /app
 COPY pyproject.toml README.md ./
+COPY sluice sluice
 COPY api api
 COPY kernels kernels
 COPY migrations migrations

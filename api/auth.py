@@ -12,9 +12,9 @@ from sqlalchemy.orm import Session, sessionmaker
 from starlette.datastructures import Headers
 from starlette.types import Scope
 
-from api import store
-from api.deps import ServicesDep
-from api.errors import ApiError
+from sluice.api import store
+from sluice.api.deps import ServicesDep
+from sluice.api.errors import ApiError
 
 bearer = HTTPBearer(auto_error=False, description="an API key from `sluice keys create --tenant NAME`")
 Credentials = Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]

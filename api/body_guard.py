@@ -15,8 +15,8 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from api.auth import authenticate_scope
-from api.errors import ApiError, error_response
+from sluice.api.auth import authenticate_scope
+from sluice.api.errors import ApiError, error_response
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ read lock while another connection writes fails at once with "database is locked
 from __future__ import annotations
 
 import os
+from importlib import resources
 from pathlib import Path
 
 from sqlalchemy import Engine, create_engine, event
@@ -17,7 +18,6 @@ from sqlalchemy.orm import Session, sessionmaker
 
 DEFAULT_URL = "sqlite:///./.sluice/sluice.db"
 SQLITE_BUSY_TIMEOUT_MS = 30_000
-MIGRATIONS = Path(__file__).resolve().parent.parent / "migrations"  # a sibling of api/, installed or not
 
 
 def database_url() -> str:
@@ -59,12 +59,19 @@ def session_factory(engine: Engine) -> sessionmaker[Session]:
     return sessionmaker(engine, expire_on_commit=False)
 
 
-def upgrade(engine: Engine, revision: str = "head") -> None:
-    """Apply the Alembic migrations shipped beside this package."""
-    from alembic import command
+def alembic_config():
+    """Alembic's configuration of the migrations shipped in the package (sluice.migrations), installed or not."""
     from alembic.config import Config
 
-    config = Config(str(MIGRATIONS / "alembic.ini"))
+    # a wheel installs them as plain files, which alembic needs: it reads its scripts from a directory
+    return Config(str(resources.files("sluice.migrations") / "alembic.ini"))
+
+
+def upgrade(engine: Engine, revision: str = "head") -> None:
+    """Apply the Alembic migrations shipped in the package."""
+    from alembic import command
+
+    config = alembic_config()
     with engine.begin() as connection:
         config.attributes["connection"] = connection
         command.upgrade(config, revision)

@@ -9,7 +9,7 @@ from celery import Celery
 from fastapi import Depends, Request
 from sqlalchemy.orm import Session, sessionmaker
 
-from api.settings import Settings
+from sluice.api.settings import Settings
 
 
 @dataclass(frozen=True)

@@ -11,9 +11,9 @@ import logging
 from celery import Celery
 from kombu.exceptions import OperationalError
 
-from api.queue import publish_chunks
-from api.store import Work
-from api.webhooks import publish_deliveries
+from sluice.api.queue import publish_chunks
+from sluice.api.store import Work
+from sluice.api.webhooks import publish_deliveries
 
 log = logging.getLogger(__name__)
 

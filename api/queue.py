@@ -13,8 +13,8 @@ from collections.abc import Iterable
 
 from celery import Celery
 
-from api.env import float_setting
-from api.store.batches import PRIORITIES, Work
+from sluice.api.env import float_setting
+from sluice.api.store.batches import PRIORITIES, Work
 
 RUN_CHUNK = "sluice.run_chunk"
 DELIVER_WEBHOOK = "sluice.deliver_webhook"

@@ -14,14 +14,14 @@ from fastapi import APIRouter, Query
 from pydantic import BaseModel, ConfigDict
 from sqlalchemy.orm import Session
 
-from api import store
-from api.auth import CallerDep, hold_key
-from api.deps import ServicesDep
-from api.dispatch import dispatch
-from api.errors import ApiError, ErrorResponse
-from api.models import Batch
-from api.objects import BatchList, BatchObject, EfficiencyReport, EfficiencyWindowObject, ResultPage
-from api.settings import Settings
+from sluice.api import store
+from sluice.api.auth import CallerDep, hold_key
+from sluice.api.deps import ServicesDep
+from sluice.api.dispatch import dispatch
+from sluice.api.errors import ApiError, ErrorResponse
+from sluice.api.models import Batch
+from sluice.api.objects import BatchList, BatchObject, EfficiencyReport, EfficiencyWindowObject, ResultPage
+from sluice.api.settings import Settings
 
 router = APIRouter(prefix="/v1/batches", tags=["batches"])
 END_TIMES = ("completed_at", "failed_at", "cancelled_at", "expired_at")

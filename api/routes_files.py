@@ -18,14 +18,14 @@ from fastapi import APIRouter, File, Form, Query, UploadFile
 from fastapi.responses import Response, StreamingResponse
 from sqlalchemy.orm import Session, sessionmaker
 
-from api import store
-from api.auth import CallerDep, hold_key
-from api.body_guard import Limit
-from api.deps import ServicesDep
-from api.errors import ApiError, ErrorResponse
-from api.models import File as FileRow
-from api.objects import FileDeleted, FileList, FileObject
-from api.store.views import keep_file_bytes, kept_file_bytes
+from sluice.api import store
+from sluice.api.auth import CallerDep, hold_key
+from sluice.api.body_guard import Limit
+from sluice.api.deps import ServicesDep
+from sluice.api.errors import ApiError, ErrorResponse
+from sluice.api.models import File as FileRow
+from sluice.api.objects import FileDeleted, FileList, FileObject
+from sluice.api.store.views import keep_file_bytes, kept_file_bytes
 
 router = APIRouter(prefix="/v1/files", tags=["files"])
 STREAM_LINES = 1000

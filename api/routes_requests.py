@@ -12,12 +12,12 @@ from typing import Any
 from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict
 
-from api import store
-from api.auth import CallerDep, hold_key
-from api.deps import ServicesDep
-from api.dispatch import dispatch
-from api.objects import RequestObject
-from api.routes_batches import require_known_model
+from sluice.api import store
+from sluice.api.auth import CallerDep, hold_key
+from sluice.api.deps import ServicesDep
+from sluice.api.dispatch import dispatch
+from sluice.api.objects import RequestObject
+from sluice.api.routes_batches import require_known_model
 
 router = APIRouter(prefix="/v1/requests", tags=["requests"])
 

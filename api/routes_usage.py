@@ -8,11 +8,11 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query
 
-from api import store
-from api.auth import CallerDep
-from api.deps import ServicesDep
-from api.errors import ApiError
-from api.objects import UsageReport, UsageRow, UsageTotals
+from sluice.api import store
+from sluice.api.auth import CallerDep
+from sluice.api.deps import ServicesDep
+from sluice.api.errors import ApiError
+from sluice.api.objects import UsageReport, UsageRow, UsageTotals
 
 router = APIRouter(prefix="/v1/usage", tags=["usage"])
 SUMMED = ("requests", "prompt_tokens", "cached_tokens", "completion_tokens", "gpu_seconds", "cost")

@@ -12,12 +12,12 @@ from typing import Annotated
 from fastapi import APIRouter, Query
 from pydantic import BaseModel, ConfigDict
 
-from api import store
-from api.auth import CallerDep, hold_key
-from api.deps import ServicesDep
-from api.errors import ApiError
-from api.models import WebhookDelivery, WebhookEndpoint
-from api.objects import (
+from sluice.api import store
+from sluice.api.auth import CallerDep, hold_key
+from sluice.api.deps import ServicesDep
+from sluice.api.errors import ApiError
+from sluice.api.models import WebhookDelivery, WebhookEndpoint
+from sluice.api.objects import (
     WebhookDeliveryList,
     WebhookDeliveryObject,
     WebhookEndpointDeleted,
@@ -25,7 +25,7 @@ from api.objects import (
     WebhookEndpointObject,
     WebhookEndpointWithSecret,
 )
-from api.webhooks import UrlRefused, check_url
+from sluice.api.webhooks import UrlRefused, check_url
 
 router = APIRouter(prefix="/v1/webhook_endpoints", tags=["webhooks"])
 

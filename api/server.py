@@ -19,13 +19,13 @@ from sqlalchemy import text
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
-from api import errors, routes_batches, routes_files, routes_requests, routes_usage, routes_webhooks
-from api.auth import metrics_access
-from api.body_guard import BodyGuard, Limit
-from api.deps import Services, ServicesDep
-from api.errors import ErrorResponse
-from api.metrics import make_registry
-from api.settings import Settings
+from sluice.api import errors, routes_batches, routes_files, routes_requests, routes_usage, routes_webhooks
+from sluice.api.auth import metrics_access
+from sluice.api.body_guard import BodyGuard, Limit
+from sluice.api.deps import Services, ServicesDep
+from sluice.api.errors import ErrorResponse
+from sluice.api.metrics import make_registry
+from sluice.api.settings import Settings
 
 BROKER_CHECK_SECONDS = 2.0
 # FastAPI runs the sync routes on anyio's worker threads, 40 by default: a database connection kept for each, else
@@ -116,8 +116,8 @@ def _openapi(app: FastAPI, generate) -> dict:
 def serve(host: str, port: int) -> None:
     import uvicorn
 
-    from api import db
-    from api.queue import make_app
+    from sluice.api import db
+    from sluice.api.queue import make_app
 
     app = create_app(db.session_factory(db.make_engine(pool_size=API_THREADS)), make_app(), Settings.from_env())
     uvicorn.run(app, host=host, port=port)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from api.store import MAX_FILE_BYTES, MAX_LINES
+from sluice.api.store import MAX_FILE_BYTES, MAX_LINES
 
 
 @dataclass(frozen=True)

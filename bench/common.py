@@ -6,7 +6,7 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-from worker.engine.demo import build_checkpoint, cache_dir
+from sluice.worker.engine.demo import build_checkpoint, cache_dir
 
 BENCH_SHAPE = dict(hidden_size=1024, num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=4,
                    intermediate_size=2816, vocab_size=4096, max_position_embeddings=2048)

@@ -86,7 +86,7 @@ def close(name: str, got: torch.Tensor, want: torch.Tensor, tol: float) -> bool:
 
 def paged_cache(s: Sizes, context_lens: list[int], device, int8: bool):
     """A KV cache holding random contexts in shuffled blocks, with its block table."""
-    from kernels.quant import quantize_kv_int8
+    from sluice.kernels.quant import quantize_kv_int8
 
     blocks_per_seq = [-(-n // s.block_size) for n in context_lens]
     num_blocks = sum(blocks_per_seq) + 8
@@ -134,7 +134,7 @@ def tolerance(s: Sizes) -> float:
 
 
 def check_store(s: Sizes, device, bench, bandwidth: float, int8: bool):
-    from kernels.kv_store import store_kv, store_kv_ref
+    from sluice.kernels.kv_store import store_kv, store_kv_ref
 
     tag = " int8 KV" if int8 else ""
     tokens = s.decode_seqs * 16
@@ -156,7 +156,7 @@ def check_store(s: Sizes, device, bench, bandwidth: float, int8: bool):
 
 def check_decode(s: Sizes, device, bench, bandwidth: float, int8: bool):
     """Decode attention over long contexts: the bandwidth-bound kernel."""
-    from kernels.decode_attention import paged_decode_attention, paged_decode_attention_ref
+    from sluice.kernels.decode_attention import paged_decode_attention, paged_decode_attention_ref
 
     tag = " int8 KV" if int8 else ""
     step = s.decode_context // (2 * s.decode_seqs)
@@ -178,7 +178,7 @@ def check_decode(s: Sizes, device, bench, bandwidth: float, int8: bool):
 
 def check_prefill(s: Sizes, device, bench, bandwidth: float, int8: bool):
     """Prefill over a cached prefix, as prefix caching and chunked prefill run it."""
-    from kernels.prefill_attention import paged_prefill_attention, paged_prefill_attention_ref
+    from sluice.kernels.prefill_attention import paged_prefill_attention, paged_prefill_attention_ref
 
     tag = " int8 KV" if int8 else ""
     lens = [s.prefill_cached + s.prefill_new] * s.prefill_seqs
@@ -199,9 +199,9 @@ def check_prefill(s: Sizes, device, bench, bandwidth: float, int8: bool):
 
 
 def check_matmul(s: Sizes, device, bench, bandwidth: float, m: int, int4: bool):
-    from kernels.quant import quantize_int4, quantize_int8
-    from kernels.w4a16 import w4a16_matmul, w4a16_matmul_ref
-    from kernels.w8a16 import w8a16_matmul, w8a16_matmul_ref
+    from sluice.kernels.quant import quantize_int4, quantize_int8
+    from sluice.kernels.w4a16 import w4a16_matmul, w4a16_matmul_ref
+    from sluice.kernels.w8a16 import w8a16_matmul, w8a16_matmul_ref
 
     n, kdim = s.mlp
     torch.manual_seed(n)
@@ -225,7 +225,7 @@ def check_matmul(s: Sizes, device, bench, bandwidth: float, m: int, int4: bool):
 
 def model_dir(shape: dict) -> Path:
     """config.json and a tokenizer only: the engine fills the weights randomly (load_format='dummy')."""
-    from worker.engine.demo import train_tokenizer
+    from sluice.worker.engine.demo import train_tokenizer
 
     path = Path(tempfile.mkdtemp(prefix="sluice-gpu-check-"))
     train_tokenizer(path)
@@ -238,7 +238,7 @@ def model_dir(shape: dict) -> Path:
 def engine_run(s: Sizes, path: Path, device: str, bandwidth: float, smoke: bool) -> tuple[bool, bool]:
     """Prints decode tokens/s per weight format and batch as each is measured; returns (every run finished, the
     bf16 target was met)."""
-    from worker.engine import LLM
+    from sluice.worker.engine import LLM
 
     print(f"engine, random {'Llama-3-8B' if not smoke else 'toy'}-shaped model, decode output tokens/s:")
     print(f"{'weights':8s} {'GiB':>6s} {'batch':>6s} {'tok/s':>10s} {'of roofline':>12s}")
@@ -281,7 +281,7 @@ def unread_embedding_bytes(llm) -> int:
 
 def decode_rate(llm, batch: int, s: Sizes, device: str) -> tuple[float, float]:
     """Decode tokens/s of `batch` sequences after their prefill, and the KV bytes one decode step reads."""
-    from worker.engine import SamplingParams
+    from sluice.worker.engine import SamplingParams
 
     # A large batch prefills over several steps, in which its first sequences already decode: with a fixed small
     # max_tokens they finished inside the timed steps (batch 256 of REAL fell to 101 sequences). Nothing finishes

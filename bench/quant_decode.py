@@ -16,7 +16,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import bench_model  # noqa: E402
 
-from worker.engine import LLM, SamplingParams  # noqa: E402
+from sluice.worker.engine import LLM, SamplingParams  # noqa: E402
 
 CONFIGS = {
     "fp32": dict(dtype="float32"),

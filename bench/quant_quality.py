@@ -15,8 +15,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import bench_model  # noqa: E402
 
-from worker.engine import LLM  # noqa: E402
-from worker.engine.demo import _corpus, build_checkpoint  # noqa: E402
+from sluice.worker.engine import LLM  # noqa: E402
+from sluice.worker.engine.demo import _corpus, build_checkpoint  # noqa: E402
 
 TEST_MODELS = {  # the shapes tests/conftest.py builds
     "llama": ("LlamaForCausalLM", dict(num_key_value_heads=2)),

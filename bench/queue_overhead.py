@@ -25,9 +25,9 @@ from pathlib import Path
 import redis
 from sqlalchemy import create_engine, func, select, text
 
-from api import db, models, store
-from api.queue import chunk_size, make_app, publish_chunks
-from worker.cpus import pin_threads, split_cpus
+from sluice.api import db, models, store
+from sluice.api.queue import chunk_size, make_app, publish_chunks
+from sluice.worker.cpus import pin_threads, split_cpus
 
 # torch and the engine are imported only where used: the spawned producers re-import this module, and a client has
 # no torch (its objects in every producer's heap made each garbage collection walk them: +0.1 s per 1250-line batch)
@@ -51,7 +51,7 @@ def lines(n: int, max_tokens: int, offset: int) -> list[dict]:
 def engine_alone(model: str, requests: list[dict], threads: int) -> tuple[float, int, dict]:
     import torch
 
-    from worker.engine import LLM, SamplingParams
+    from sluice.worker.engine import LLM, SamplingParams
 
     torch.set_num_threads(threads)
     llm = LLM(model, **ENGINE_FLAGS)
@@ -181,7 +181,7 @@ def through_the_queue(url: str, model: str, requests: list[dict], producers: int
     import cpu_use  # beside this file: main() put its folder on the path
 
     env = {**os.environ, "SLUICE_DATABASE_URL": url, "SLUICE_BROKER_URL": BROKER_URL}
-    worker = subprocess.Popen([sys.executable, "-m", "worker", "worker", "--model", model, "--served-model-name",
+    worker = subprocess.Popen([sys.executable, "-m", "sluice", "worker", "--model", model, "--served-model-name",
                                "bench", "--loglevel", "WARNING", "--max-num-seqs", str(ENGINE_FLAGS["max_num_seqs"]),
                                "--max-num-batched-tokens", str(ENGINE_FLAGS["max_num_batched_tokens"]),
                                "--window-seconds", str(WINDOW_SECONDS),
@@ -311,7 +311,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.chunk_size is not None:  # the worker and the spawned producers inherit it
         os.environ["SLUICE_CHUNK_SIZE"] = str(args.chunk_size)
-    from worker.bridge import default_engine_threads
+    from sluice.worker.bridge import default_engine_threads
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))  # the bench's own modules
     if args.model == "small":

@@ -19,9 +19,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import bench_model, workload  # noqa: E402
 
-from worker.engine import LLM, SamplingParams  # noqa: E402
-from worker.engine.config import CPU_GEMMS  # noqa: E402
-from worker.engine.linear import PACKED_FLOAT32, Linear, can_pack_float32, can_pack_mkl, cpu_gemm  # noqa: E402
+from sluice.worker.engine import LLM, SamplingParams  # noqa: E402
+from sluice.worker.engine.config import CPU_GEMMS  # noqa: E402
+from sluice.worker.engine.linear import PACKED_FLOAT32, Linear, can_pack_float32, can_pack_mkl, cpu_gemm  # noqa: E402
 
 OTHER_BLOCKS = (8, 32)
 

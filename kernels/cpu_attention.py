@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels.checks import check_decode_inputs
-from kernels.cpu_build import build
+from sluice.kernels.checks import check_decode_inputs
+from sluice.kernels.cpu_build import build
 
 HEAD_DIMS = (16, 32, 64, 96, 128, 256)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.cpu_build import build
+from sluice.kernels.cpu_build import build
 
 
 def _extension():

@@ -2,9 +2,9 @@
 
 import torch
 
-from kernels._triton import cdiv, dot_precision, next_pow2, tl, triton
-from kernels.checks import check_decode_inputs
-from kernels.paged import LOG2E, gather_context, paged_scores, softmax_step
+from sluice.kernels._triton import cdiv, dot_precision, next_pow2, tl, triton
+from sluice.kernels.checks import check_decode_inputs
+from sluice.kernels.paged import LOG2E, gather_context, paged_scores, softmax_step
 
 BLOCK_N = 64  # context tokens per inner step; independent of the cache's block_size
 PARTITION_TOKENS = 512  # context one program handles before the work is split across programs

@@ -2,9 +2,9 @@
 
 import torch
 
-from kernels._triton import next_pow2, tl, triton
-from kernels.checks import check_kv_cache
-from kernels.quant import quantize_kv_int8
+from sluice.kernels._triton import next_pow2, tl, triton
+from sluice.kernels.checks import check_kv_cache
+from sluice.kernels.quant import quantize_kv_int8
 
 
 @triton.jit

@@ -4,7 +4,7 @@ online-softmax update). The layout checks are in kernels/checks.py."""
 
 import torch
 
-from kernels._triton import tl, triton
+from sluice.kernels._triton import tl, triton
 
 LOG2E = 1.4426950408889634  # the attention kernels use exp2, so scores are scaled by log2(e) once
 
@@ -12,7 +12,7 @@ LOG2E = 1.4426950408889634  # the attention kernels use exp2, so scores are scal
 def gather_context(k_cache, v_cache, block_tables, seq: int, length: int, k_scale, v_scale, num_heads: int):
     """Reference side: sequence `seq`'s first `length` keys and values, dequantized, each KV head repeated for its
     query heads -> float32 [length, num_heads, head_dim] twice."""
-    from kernels.quant import dequantize_kv_int8
+    from sluice.kernels.quant import dequantize_kv_int8
 
     pos = torch.arange(length, device=k_cache.device)
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]

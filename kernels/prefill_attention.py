@@ -2,9 +2,9 @@
 
 import torch
 
-from kernels._triton import dot_precision, next_pow2, tl, triton
-from kernels.checks import check_kv_cache
-from kernels.paged import LOG2E, gather_context, paged_scores, softmax_step
+from sluice.kernels._triton import dot_precision, next_pow2, tl, triton
+from sluice.kernels.checks import check_kv_cache
+from sluice.kernels.paged import LOG2E, gather_context, paged_scores, softmax_step
 
 BLOCK_M = 64  # query tokens per program
 BLOCK_N = 64  # keys per inner step

@@ -2,9 +2,9 @@
 
 import torch
 
-from kernels._triton import cdiv, dot_precision, tl, triton
-from kernels.quant import INT4_GROUP_SIZES, dequantize_int4
-from kernels.w8a16 import tiles_for
+from sluice.kernels._triton import cdiv, dot_precision, tl, triton
+from sluice.kernels.quant import INT4_GROUP_SIZES, dequantize_int4
+from sluice.kernels.w8a16 import tiles_for
 
 
 @triton.jit

@@ -4,8 +4,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels._triton import cdiv, dot_precision, tl, triton
-from kernels.quant import dequantize_int8
+from sluice.kernels._triton import cdiv, dot_precision, tl, triton
+from sluice.kernels.quant import dequantize_int8
 
 
 @dataclass(frozen=True)

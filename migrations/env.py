@@ -2,8 +2,8 @@
 
 from alembic import context
 
-from api import db
-from api.models import Base
+from sluice.api import db
+from sluice.api.models import Base
 
 
 def run_migrations(connection) -> None:

@@ -3,9 +3,19 @@
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
 
-import pytest
-import torch
+# The repository's root holds kernels/, the name of the Hub's `kernels` distribution that transformers imports:
+# with the root on sys.path (`python -m pytest`, or a child's `python -c`/`-m` run there) ours would shadow it. Tests
+# import only `sluice.` names, which the install maps onto these folders, so neither this process nor its children
+# need the root on their path.
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:] = [p for p in sys.path if Path(p or os.curdir).resolve() != ROOT]
+os.environ["PYTHONSAFEPATH"] = "1"  # children: no script directory or working directory prepended (Python 3.11+)
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 # Triton reads this when kernels are first decorated: without a GPU they run in its interpreter, on the CPU
 if not torch.cuda.is_available():
@@ -17,7 +27,7 @@ torch.set_num_threads(min(2, os.cpu_count() or 1))
 def cpu_kernels():
     """Build the C++ CPU kernels once, first (about 25 s each on a new machine, then cached): the worker and server
     processes that tests start would otherwise each build them inside their start-up timeouts."""
-    from kernels import cpu_attention, cpu_layers
+    from sluice.kernels import cpu_attention, cpu_layers
 
     cpu_attention.available()
     cpu_layers.available()
@@ -35,7 +45,7 @@ ARCHS = {
 
 @pytest.fixture(scope="session")
 def tokenizer_dir(tmp_path_factory):
-    from worker.engine.demo import train_tokenizer
+    from sluice.worker.engine.demo import train_tokenizer
 
     path = tmp_path_factory.mktemp("tokenizer")
     train_tokenizer(path)
@@ -45,7 +55,7 @@ def tokenizer_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def checkpoints(tmp_path_factory, tokenizer_dir):
     """name -> checkpoint dir, built lazily per architecture."""
-    from worker.engine.demo import build_checkpoint
+    from sluice.worker.engine.demo import build_checkpoint
 
     built: dict[str, object] = {}
 
@@ -69,7 +79,7 @@ def scripted_tokens(monkeypatch):
     """script(tokens): the engine 'samples' these tokens in order, so a test picks exactly the text generated."""
     def script(tokens: list[int]) -> None:
         queue = iter(tokens)
-        monkeypatch.setattr("worker.engine.llm.sample",
+        monkeypatch.setattr("sluice.worker.engine.llm.sample",
                             lambda logits, seqs: ([next(queue) for _ in seqs], [None] * len(seqs)))
 
     return script

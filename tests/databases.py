@@ -12,7 +12,7 @@ import redis
 from sqlalchemy import create_engine, text
 from sqlalchemy.exc import OperationalError
 
-from api import db
+from sluice.api import db
 
 POSTGRES_ADMIN_URLS = ("postgresql+psycopg://root@127.0.0.1:5432/postgres",
                        "postgresql+psycopg://postgres@127.0.0.1:5432/postgres")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from worker.engine.attention import BUCKET_BYTES, DECODE_BUCKET, bucket_ends
+from sluice.worker.engine.attention import BUCKET_BYTES, DECODE_BUCKET, bucket_ends
 
 
 def check(context_lens: list[int], block_size: int, token_bytes: int) -> list[int]:

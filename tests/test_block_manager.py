@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from worker.engine.block_manager import BlockManager
-from worker.engine.sampling_params import SamplingParams
-from worker.engine.sequence import Sequence
+from sluice.worker.engine.block_manager import BlockManager
+from sluice.worker.engine.sampling_params import SamplingParams
+from sluice.worker.engine.sequence import Sequence
 
 BS = 4
 
@@ -59,7 +59,7 @@ def test_last_token_is_never_served_from_cache():
 
 
 def test_hit_requires_identical_tokens_even_when_hashes_collide(monkeypatch):
-    import worker.engine.block_manager as module
+    import sluice.worker.engine.block_manager as module
 
     monkeypatch.setattr(module, "chain_hash", lambda parent, tokens: 0)  # every block collides
     bm = BlockManager(8, BS)

@@ -18,10 +18,10 @@ from functools import partial
 import pytest
 from processes import thread_nices
 
-from worker.bridge import EngineBridge, EngineNotRunning, default_engine_threads
-from worker.cpus import PINNED_ENGINE_NICE, split_cpus
-from worker.engine import LLM, LLMEngine, RequestRejected, SamplingParams
-from worker.engine.config import ModelError
+from sluice.worker.bridge import EngineBridge, EngineNotRunning, default_engine_threads
+from sluice.worker.cpus import PINNED_ENGINE_NICE, split_cpus
+from sluice.worker.engine import LLM, LLMEngine, RequestRejected, SamplingParams
+from sluice.worker.engine.config import ModelError
 
 PARAMS = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 LONG = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
@@ -119,8 +119,8 @@ def test_the_engine_process_exits_when_its_worker_is_killed(llama_dir, tmp_path)
     script = textwrap.dedent(f"""
         import sys, time
         from functools import partial
-        from worker.bridge import EngineBridge, default_engine_threads
-        from worker.engine import LLMEngine, SamplingParams
+        from sluice.worker.bridge import EngineBridge, default_engine_threads
+        from sluice.worker.engine import LLMEngine, SamplingParams
         if __name__ == "__main__":
             bridge = EngineBridge(partial(LLMEngine, {str(llama_dir)!r}, num_kv_blocks=64)).start()
             bridge.submit("busy", [5, 6], SamplingParams(max_tokens=1000, temperature=0, ignore_eos=True))
@@ -172,8 +172,8 @@ def pinned_run(llama_dir, tmp_path, prefix: list[str] = ()) -> tuple[dict, str]:
     script = textwrap.dedent(f"""
         import json, logging, os, threading
         from functools import partial
-        from worker.bridge import EngineBridge
-        from worker.engine import LLMEngine, SamplingParams
+        from sluice.worker.bridge import EngineBridge
+        from sluice.worker.engine import LLMEngine, SamplingParams
         from processes import thread_cpus, thread_nices
         from tests.test_bridge import prompts, ENGINE, PARAMS
         if __name__ == "__main__":

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import cpu_attention
-from kernels.cpu_attention import paged_decode_attention_cpu
-from kernels.decode_attention import paged_decode_attention_ref
-from worker.engine.attention import AttentionMetadata, LayerCache, TorchAttention
+from sluice.kernels import cpu_attention
+from sluice.kernels.cpu_attention import paged_decode_attention_cpu
+from sluice.kernels.decode_attention import paged_decode_attention_ref
+from sluice.worker.engine.attention import AttentionMetadata, LayerCache, TorchAttention
 
 BLOCK = 16
 # contexts of one token, of exactly one and several blocks, and across block boundaries

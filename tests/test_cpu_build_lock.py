@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from kernels.cpu_build import extension_name
+from sluice.kernels.cpu_build import extension_name
 
 SOURCE, FLAGS = "layers_cpu.cpp", ("-ffp-contract=off",)
 
@@ -31,7 +31,7 @@ def test_a_stale_torch_lock_does_not_hang_the_build(tmp_path):
 
 def test_missing_sources_fall_back_to_pytorch_ops(monkeypatch, tmp_path):
     """An install without the C++ sources (a wheel that left them out) must run on PyTorch ops, not crash."""
-    from kernels import cpu_build
+    from sluice.kernels import cpu_build
 
     monkeypatch.setattr(cpu_build, "CSRC", tmp_path)
     assert cpu_build.build.__wrapped__(SOURCE, FLAGS) is None

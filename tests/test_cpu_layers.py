@@ -9,9 +9,9 @@ import torch.nn.functional as F
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
 
-from kernels import cpu_layers
-from worker.engine import layers
-from worker.engine.config import ModelConfig
+from sluice.kernels import cpu_layers
+from sluice.worker.engine import layers
+from sluice.worker.engine.config import ModelConfig
 
 pytestmark = pytest.mark.skipif(not cpu_layers.available(), reason="no C++ toolchain to build the kernels")
 
@@ -125,7 +125,7 @@ def test_a_failed_build_is_logged_and_gives_none(monkeypatch, caplog):
     """No compiler (or any build error): a warning naming the source, and None, so the layers use PyTorch ops."""
     import torch.utils.cpp_extension
 
-    from kernels import cpu_build
+    from sluice.kernels import cpu_build
 
     def fail(*args, **kwargs):
         raise OSError("no c++ compiler")

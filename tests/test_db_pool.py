@@ -9,7 +9,7 @@ import pytest
 from databases import postgres_database
 from sqlalchemy import text
 
-from api import db
+from sluice.api import db
 
 THREADS, ROUNDS = 8, 10
 
@@ -53,7 +53,7 @@ def test_the_default_pool_reopens_connections_for_more_threads(url):
 
 
 def test_the_worker_runs_enough_chunks_to_fill_max_num_seqs_twice():
-    from worker.worker_command import default_concurrency
+    from sluice.worker.cli.worker import default_concurrency
 
     assert default_concurrency(256) == 16  # chunks of 32 fill max_num_seqs twice over
     assert default_concurrency(10) == 2
@@ -62,7 +62,7 @@ def test_the_worker_runs_enough_chunks_to_fill_max_num_seqs_twice():
 def test_the_api_keeps_a_connection_for_each_thread_running_its_routes():
     import anyio
 
-    from api.server import API_THREADS
+    from sluice.api.server import API_THREADS
 
     async def threads() -> int:  # what FastAPI's sync routes run on
         return int(anyio.to_thread.current_default_thread_limiter().total_tokens)

@@ -8,12 +8,12 @@ import random
 from tokenizers import Tokenizer, decoders, models, normalizers, processors
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from api.schemas import text_completion
-from worker.engine import RequestOutput, detokenizer
-from worker.engine.detokenizer import TokenText
-from worker.engine.outputs import RequestMetrics
-from worker.engine.sequence import TokenLogprobs
-from worker.translate import Responses
+from sluice.api.schemas import text_completion
+from sluice.worker.engine import RequestOutput, detokenizer
+from sluice.worker.engine.detokenizer import TokenText
+from sluice.worker.engine.outputs import RequestMetrics
+from sluice.worker.engine.sequence import TokenLogprobs
+from sluice.worker.translate import Responses
 
 
 def _text(token_text: TokenText, tokenizer, prompt: list[int], output: list[int]) -> str:

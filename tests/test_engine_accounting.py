@@ -8,9 +8,9 @@ from multiprocessing import Pipe
 
 import pytest
 
-from worker.engine import LLM, LLMEngine, SamplingParams
-from worker.engine_core import Abort, EngineCore, Report, Stop, Submit
-from worker.metrics import EngineMetrics
+from sluice.worker.engine import LLM, LLMEngine, SamplingParams
+from sluice.worker.engine_core import Abort, EngineCore, Report, Stop, Submit
+from sluice.worker.metrics import EngineMetrics
 
 LONG = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
 

@@ -7,8 +7,8 @@ import time
 import pytest
 import torch
 
-from worker.engine import LLM, RequestRejected, SamplingParams
-from worker.engine.sequence import Sequence
+from sluice.worker.engine import LLM, RequestRejected, SamplingParams
+from sluice.worker.engine.sequence import Sequence
 
 STATS_KEYS = {"num_steps", "num_prefill_tokens", "num_decode_tokens", "num_running", "num_waiting", "num_preemptions",
               "prefix_cache_queries", "prefix_cache_hits", "kv_blocks_total", "kv_blocks_used", "weight_bytes",

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from worker.engine import LLM, SamplingParams
+from sluice.worker.engine import LLM, SamplingParams
 
 
 def _prompts(n: int, seed: int, prefix: int = 0) -> list[list[int]]:

@@ -8,8 +8,8 @@ import pytest
 import torch
 import transformers
 
-from worker.engine import LLM, SamplingParams
-from worker.engine.linear import can_pack_mkl
+from sluice.worker.engine import LLM, SamplingParams
+from sluice.worker.engine.linear import can_pack_mkl
 
 NUM_PROMPTS = 32
 
@@ -78,7 +78,7 @@ def test_ample_cache(arch_case, cpu_gemm):
 @pytest.mark.parametrize("budget", [0, None], ids=["buckets-of-8", "byte-budget"])
 def test_decode_buckets(arch_case, monkeypatch, budget):
     """Decode rows attended in buckets of DECODE_BUCKET and in byte-budget buckets give the same tokens."""
-    from worker.engine import attention
+    from sluice.worker.engine import attention
 
     if budget is not None:
         monkeypatch.setattr(attention, "BUCKET_BYTES", budget)
@@ -152,7 +152,7 @@ def test_sliding_window_matches_transformers(checkpoints, engine_kwargs):
 @pytest.mark.parametrize("engine_kwargs", [{}, {"max_num_batched_tokens": 16}], ids=["whole", "chunked"])
 def test_qwen2_max_window_layers_matches_transformers(tmp_path, tokenizer_dir, engine_kwargs):
     """Qwen2 slides only the layers from max_window_layers on: here layer 0 attends in full, layer 1 in a window."""
-    from worker.engine.demo import build_checkpoint
+    from sluice.worker.engine.demo import build_checkpoint
 
     path = build_checkpoint(tmp_path, "Qwen2ForCausalLM", seed=3, tokenizer_dir=tokenizer_dir, use_sliding_window=True,
                             sliding_window=8, max_window_layers=1, num_hidden_layers=2, initializer_range=0.1)
@@ -165,7 +165,7 @@ def test_qwen2_max_window_layers_matches_transformers(tmp_path, tokenizer_dir, e
 def test_colliding_prefixes_share_no_kv(tmp_path, tokenizer_dir):
     """Blocks whose token tuples collide in Python's hash(): a prompt must not be served the K/V of a block that was
     computed after the other one (a request could poison another's prefix)."""
-    from worker.engine.demo import build_checkpoint
+    from sluice.worker.engine.demo import build_checkpoint
 
     path = build_checkpoint(tmp_path, "LlamaForCausalLM", seed=1, tokenizer_dir=tokenizer_dir, vocab_size=65536)
     a, b = [14571, 58961, 60645, 8234], [36695, 53933, 28465, 0]  # as in test_block_manager.COLLIDING
@@ -183,7 +183,7 @@ def test_a_llama_configs_sliding_window_is_ignored_as_transformers_does(tmp_path
     """Llamafied checkpoints may keep a sliding_window key; transformers' Llama attends in full regardless. Its
     generate() is no reference here (its cache slides while its prefill does not), so the reference is argmax of
     whole forwards without a cache."""
-    from worker.engine.demo import build_checkpoint
+    from sluice.worker.engine.demo import build_checkpoint
 
     path = build_checkpoint(tmp_path, "LlamaForCausalLM", seed=3, tokenizer_dir=tokenizer_dir, sliding_window=8,
                             initializer_range=0.1)

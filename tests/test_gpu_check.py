@@ -52,7 +52,7 @@ def test_decode_rate_times_the_whole_batch(monkeypatch):
     every timed step, and the rate counts the tokens those steps generated."""
     import dataclasses
 
-    from worker.engine import LLM
+    from sluice.worker.engine import LLM
 
     gpu_check = load()
     s = dataclasses.replace(gpu_check.SMOKE, engine_prompt=24, engine_steps=4)

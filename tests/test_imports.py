@@ -9,12 +9,13 @@ import pytest
 
 
 @pytest.mark.parametrize("modules", [
-    "api.schemas, api.store, api.server, api.client, api.webhooks, api.queue",  # an API host
-    "worker.celery_app, worker.tasks, worker.reconcile",  # the webhooks and maintenance worker
-    "worker.cli",  # `sluice --help`
+    # an API host
+    "sluice.api.schemas, sluice.api.store, sluice.api.server, sluice.api.client, sluice.api.webhooks, sluice.api.queue",
+    "sluice.worker.celery_app, sluice.worker.tasks, sluice.worker.reconcile",  # the webhooks and maintenance worker
+    "sluice.worker.cli",  # `sluice --help`
 ])
 def test_no_torch(modules):
-    code = f"import sys, {modules}; from worker.cli import build_parser; build_parser(); " \
+    code = f"import sys, {modules}; from sluice.worker.cli import build_parser; build_parser(); " \
            "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('torch'))[:3]"
     subprocess.run([sys.executable, "-c", code], check=True)
 
@@ -22,7 +23,7 @@ def test_no_torch(modules):
 def test_a_cpu_engine_never_imports_triton(llama_dir):
     """Triton is for the CUDA kernels: a CPU engine (a CPU host's worker engine process, `sluice run`) loads, steps and
     finishes requests without importing it, which took 0.12-0.17 s of every engine start (kernels/checks.py)."""
-    code = ("import sys; from worker.engine import LLM, SamplingParams; "
+    code = ("import sys; from sluice.worker.engine import LLM, SamplingParams; "
             f"llm = LLM({str(llama_dir)!r}, max_num_seqs=4); "
             "out = llm.generate(['hello there', 'bye'], SamplingParams(max_tokens=4, ignore_eos=True)); "
             "assert [len(o.token_ids) for o in out] == [4, 4], out; "

@@ -7,9 +7,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from worker.engine import LLM, linear
-from worker.engine.config import EngineConfig
-from worker.engine.linear import (
+from sluice.worker.engine import LLM, linear
+from sluice.worker.engine.config import EngineConfig
+from sluice.worker.engine.linear import (
     DENSE,
     ONEDNN_FLOAT32,
     Linear,
@@ -151,8 +151,8 @@ def test_engine_packs_float32_cpu_weights_only(llama_dir, checkpoints, gemm, pac
 def test_cpu_mlp_runs_long_prefills_in_row_chunks_with_the_same_result(monkeypatch):
     from types import SimpleNamespace
 
-    from worker.engine.layers import silu_and_mul
-    from worker.engine.models import llama
+    from sluice.worker.engine.layers import silu_and_mul
+    from sluice.worker.engine.models import llama
 
     torch.manual_seed(0)
     monkeypatch.setattr(llama, "CPU_MLP_ROWS", 16)

@@ -11,11 +11,11 @@ from test_detokenizer import byte_fallback_tokenizer
 from tokenizers import decoders
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-from api.schemas import chat_completion
-from worker.engine import LLM, RequestOutput, SamplingParams
-from worker.engine.demo import build_checkpoint
-from worker.engine.sampler import sample
-from worker.translate import Responses
+from sluice.api.schemas import chat_completion
+from sluice.worker.engine import LLM, RequestOutput, SamplingParams
+from sluice.worker.engine.demo import build_checkpoint
+from sluice.worker.engine.sampler import sample
+from sluice.worker.translate import Responses
 
 # CJK characters (3 bytes) and an emoji (4): one token per byte in both test vocabularies
 PROMPT, TEXT = "Say", " hi 中文, 😀 ok 字!"
@@ -50,7 +50,7 @@ def generate(llm: LLM, monkeypatch, detokenize: bool = True) -> tuple[RequestOut
             logits[row, next(queue)] = logits[row].max() + 10.0
         return sample(logits, seqs)
 
-    monkeypatch.setattr("worker.engine.llm.sample", scripted)
+    monkeypatch.setattr("sluice.worker.engine.llm.sample", scripted)
     params = SamplingParams(max_tokens=len(ids), temperature=0, logprobs=5, detokenize=detokenize)
     out = llm.generate(prompt, params)[0]
     assert out.token_ids == ids

@@ -10,11 +10,11 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
-from worker.engine import LLM, SamplingParams
-from worker.engine.config import ModelError
-from worker.engine.demo import build_checkpoint
-from worker.engine.sampling_params import SamplingParams as SP
-from worker.engine.sequence import Sequence
+from sluice.worker.engine import LLM, SamplingParams
+from sluice.worker.engine.config import ModelError
+from sluice.worker.engine.demo import build_checkpoint
+from sluice.worker.engine.sampling_params import SamplingParams as SP
+from sluice.worker.engine.sequence import Sequence
 
 
 def last_logits(llm: LLM, ids: list[int]) -> torch.Tensor:
@@ -78,7 +78,7 @@ def test_llama3_rope_scaling_matches_transformers(tmp_path, tokenizer_dir):
 
 
 def test_old_style_rope_scaling_keys_are_read(tmp_path, tokenizer_dir):
-    from worker.engine.config import ModelConfig
+    from sluice.worker.engine.config import ModelConfig
 
     raw = {"architectures": ["LlamaForCausalLM"], "vocab_size": 10, "hidden_size": 8, "intermediate_size": 16,
            "num_hidden_layers": 1, "num_attention_heads": 2, "rope_theta": 500000.0,
@@ -215,15 +215,15 @@ def test_max_model_len_beyond_the_model_is_refused(tmp_path, tokenizer_dir):
 
 
 def test_a_max_model_len_under_one_is_refused():
-    from worker.engine.config import EngineConfig
+    from sluice.worker.engine.config import EngineConfig
 
     with pytest.raises(ValueError, match="max_model_len must be >= 1"):
         EngineConfig(model="m", max_model_len=0)
 
 
 def test_linear_rope_scaling_extends_max_model_len():
-    from worker.engine.config import EngineConfig, ModelConfig
-    from worker.engine.processor import max_model_len
+    from sluice.worker.engine.config import EngineConfig, ModelConfig
+    from sluice.worker.engine.processor import max_model_len
 
     raw = {"architectures": ["LlamaForCausalLM"], "vocab_size": 10, "hidden_size": 8, "intermediate_size": 16,
            "num_hidden_layers": 1, "num_attention_heads": 2, "max_position_embeddings": 64,
@@ -234,7 +234,7 @@ def test_linear_rope_scaling_extends_max_model_len():
 
 
 def test_qwen2_layer_windows_follow_transformers():
-    from worker.engine.config import ModelConfig
+    from sluice.worker.engine.config import ModelConfig
 
     raw = {"architectures": ["Qwen2ForCausalLM"], "vocab_size": 10, "hidden_size": 8, "intermediate_size": 16,
            "num_hidden_layers": 3, "num_attention_heads": 2, "sliding_window": 8}

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from worker.engine import model_runner
-from worker.engine.config import EngineConfig, ModelConfig
-from worker.engine.model_runner import ModelRunner
+from sluice.worker.engine import model_runner
+from sluice.worker.engine.config import EngineConfig, ModelConfig
+from sluice.worker.engine.model_runner import ModelRunner
 
 LLAMA3_8B = ModelConfig.from_dict({
     "architectures": ["LlamaForCausalLM"], "hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,

@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.quant import dequantize_int4, dequantize_int8
-from worker.engine import LLM, SamplingParams
-from worker.engine.demo import build_checkpoint
-from worker.engine.linear import Linear
-from worker.engine.quantization import CPU_INT8_MAX_ROWS, Int4Method, Int8Method, quantize_model
+from sluice.kernels.quant import dequantize_int4, dequantize_int8
+from sluice.worker.engine import LLM, SamplingParams
+from sluice.worker.engine.demo import build_checkpoint
+from sluice.worker.engine.linear import Linear
+from sluice.worker.engine.quantization import CPU_INT8_MAX_ROWS, Int4Method, Int8Method, quantize_model
 
 PROMPTS = ["Beautiful is better than ugly. Explicit is better than implicit.",
            "Errors should never pass silently. Unless explicitly silenced.",
@@ -197,7 +197,7 @@ def test_int8_kv_cache_is_read_the_same_by_both_backends(llama_dir):
 def test_sluice_run_takes_the_quantization_flags(tmp_path, llama_dir):
     import json
 
-    from worker.cli import main
+    from sluice.worker.cli import main
 
     line = {"custom_id": "q", "method": "POST", "url": "/v1/completions",
             "body": {"prompt": "Simple is better", "max_tokens": 4, "temperature": 0}}

@@ -13,8 +13,8 @@ from databases import admin_engine, postgres_database
 from sqlalchemy import text
 from sqlalchemy.exc import ProgrammingError
 
-from api import db
-from worker.retry import retry_transient
+from sluice.api import db
+from sluice.worker.retry import retry_transient
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +41,7 @@ def test_a_transaction_on_a_killed_connection_runs_again_on_a_fresh_one(engine, 
         with engine.begin() as c:
             return c.execute(text("SELECT pg_backend_pid()")).scalar()
 
-    with caplog.at_level(logging.WARNING, logger="worker.retry"):
+    with caplog.at_level(logging.WARNING, logger="sluice.worker.retry"):
         new = retry_transient(transaction)
     assert len(runs) == 2 and new != old
     assert "database error, retrying" in caplog.text

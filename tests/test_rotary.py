@@ -6,8 +6,8 @@ import torch
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-from worker.engine.config import ModelConfig, ModelError
-from worker.engine.layers import RotaryEmbedding, apply_rotary
+from sluice.worker.engine.config import ModelConfig, ModelError
+from sluice.worker.engine.layers import RotaryEmbedding, apply_rotary
 
 HEADS, KV_HEADS, HEAD_DIM = 6, 2, 32
 SCALINGS = {

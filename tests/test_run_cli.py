@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from api.schemas import CHAT_URL, COMPLETIONS_URL
-from worker.cli import main
-from worker.engine import LLM, LLMEngine, SamplingParams
-from worker.run import QUEUE_DEPTH, finished_ids
+from sluice.api.schemas import CHAT_URL, COMPLETIONS_URL
+from sluice.worker.cli import main
+from sluice.worker.engine import LLM, LLMEngine, SamplingParams
+from sluice.worker.run import QUEUE_DEPTH, finished_ids
 
 
 def chat(custom_id: str, content: str = "Hello there", **body) -> dict:
@@ -276,7 +276,7 @@ def test_usage_errors_exit_2_with_a_message(tmp_path, llama_dir, capsys, problem
 
 
 def test_an_unwritable_output_is_refused_before_the_model_loads(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr("worker.cli.os.access", lambda path, mode: False)  # as root, chmod would not do
+    monkeypatch.setattr("sluice.worker.cli.common.os.access", lambda path, mode: False)  # as root, chmod would not do
     monkeypatch.setattr(LLMEngine, "__init__", lambda *a, **kw: pytest.fail("the model was loaded"))
     code = main(["run", str(write_jsonl(tmp_path / "in.jsonl", [completion("a")])), "-o", str(tmp_path / "o.jsonl"),
                  "--model", "demo"])

@@ -9,10 +9,10 @@ import torch
 import transformers
 from transformers.generation.logits_process import MinPLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-from worker.engine import LLM, SamplingParams
-from worker.engine.llm import LLMEngine
-from worker.engine.sampler import _filter, _sample_rows, sample
-from worker.engine.sequence import Sequence
+from sluice.worker.engine import LLM, SamplingParams
+from sluice.worker.engine.llm import LLMEngine
+from sluice.worker.engine.sampler import _filter, _sample_rows, sample
+from sluice.worker.engine.sequence import Sequence
 
 PROMPTS = ["The zen of python", "Beautiful is better than ugly.", "Errors should never pass", "Now is better"]
 
@@ -168,7 +168,7 @@ def test_logprobs_match_transformers(llm, llama_dir):
 def test_undetokenized_outputs_decode_to_the_engines_text(llm):
     """detokenize=False: the same tokens, no text from the engine, and detokenizer.decode rebuilds exactly the text
     the engine builds token by token (sampled tokens at temperature 2 split characters and hit special ids)."""
-    from worker.engine.detokenizer import TokenText, decode
+    from sluice.worker.engine.detokenizer import TokenText, decode
 
     prompts = PROMPTS * 4
     params = [SamplingParams(max_tokens=24, temperature=2.0, seed=i, ignore_eos=True) for i in range(len(prompts))]
@@ -193,7 +193,7 @@ def test_detokenize_is_checked():
 def test_replayed_text_leaves_out_the_stop_token_as_the_engine_does(llm):
     """The worker's replay (Responses, detokenize=False) of a request that stopped on a stop token gives the text the
     engine gives detokenizing it: the stop token's own text left out."""
-    from worker.translate import Responses
+    from sluice.worker.translate import Responses
 
     free = llm.generate(PROMPTS[1], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0]
     texts = [o.text for o in llm.generate([PROMPTS[1]] * 12, [SamplingParams(max_tokens=n, temperature=0,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from api.schemas import (
+from sluice.api.schemas import (
     CHAT_URL,
     COMPLETIONS_URL,
     BatchRequest,

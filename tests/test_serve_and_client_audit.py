@@ -18,13 +18,13 @@ import openai
 import pytest
 from servers import free_port
 
-from api import db
-from api.client import Client, text_of
-from worker.serve_command import local_key
+from sluice.api import db
+from sluice.api.client import Client, text_of
+from sluice.worker.cli.serve import local_key
 
 
 def serve_args(model: Path, port: int, data_dir: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "worker", "serve", "--model", str(model), "--served-model-name", "tiny",
+    return [sys.executable, "-m", "sluice", "serve", "--model", str(model), "--served-model-name", "tiny",
             "--port", str(port), "--data-dir", str(data_dir), *extra]
 
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.prefill_attention import paged_prefill_attention_ref
-from kernels.quant import quantize_kv_int8
-from worker.engine import attention
-from worker.engine.attention import AttentionMetadata, LayerCache, TorchAttention
+from sluice.kernels.prefill_attention import paged_prefill_attention_ref
+from sluice.kernels.quant import quantize_kv_int8
+from sluice.worker.engine import attention
+from sluice.worker.engine.attention import AttentionMetadata, LayerCache, TorchAttention
 
 BLOCK, KV_HEADS, HEADS, DIM = 16, 2, 8, 32
 # (query tokens, context after the step), decodes first as the model runner orders them: two decodes, a whole

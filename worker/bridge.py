@@ -17,9 +17,9 @@ from collections.abc import Callable
 from concurrent.futures import CancelledError, Future
 from pathlib import Path
 
-from worker.cpus import pin_threads, split_cpus
-from worker.engine import InputProcessor, LLMEngine, RequestRejected, SamplingParams
-from worker.engine_core import Abort, EfficiencyWindow, Failed, Report, StepStats, Stop, Submit, run_engine
+from sluice.worker.cpus import pin_threads, split_cpus
+from sluice.worker.engine import InputProcessor, LLMEngine, RequestRejected, SamplingParams
+from sluice.worker.engine_core import Abort, EfficiencyWindow, Failed, Report, StepStats, Stop, Submit, run_engine
 
 log = logging.getLogger(__name__)
 

@@ -6,10 +6,10 @@
 
 from __future__ import annotations
 
-from api.queue import RECONCILE, make_app, reconcile_seconds
+from sluice.api.queue import RECONCILE, make_app, reconcile_seconds
 
 RECONCILE_SECONDS = reconcile_seconds()  # read at import: beat takes its schedule from the app
 
 app = make_app()
-app.conf.include = ["worker.tasks"]
+app.conf.include = ["sluice.worker.tasks"]
 app.conf.beat_schedule = {"reconcile": {"task": RECONCILE, "schedule": RECONCILE_SECONDS}}

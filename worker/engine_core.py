@@ -18,9 +18,9 @@ from multiprocessing.connection import Connection
 
 import torch
 
-from worker.cpus import PINNED_ENGINE_NICE, pin_threads, set_nice
-from worker.engine import LLMEngine, RequestOutput, RequestRejected, SamplingParams
-from worker.engine.config import EngineConfig
+from sluice.worker.cpus import PINNED_ENGINE_NICE, pin_threads, set_nice
+from sluice.worker.engine import LLMEngine, RequestOutput, RequestRejected, SamplingParams
+from sluice.worker.engine.config import EngineConfig
 
 IDLE_POLL_SECONDS = 0.05
 

@@ -23,16 +23,16 @@ from celery import Celery
 from pydantic import ValidationError
 from sqlalchemy.orm import Session, sessionmaker
 
-from api import models, store
-from api.dispatch import dispatch
-from api.schemas import BODIES, response_body
-from worker.bridge import EngineBridge, EngineNotRunning
-from worker.engine import LLMEngine, RequestOutput, RequestRejected
-from worker.engine_core import EfficiencyWindow, Submit, freeze_heap
-from worker.metrics import EngineMetrics
-from worker.reconcile import STALE_SECONDS, reconcile_once
-from worker.retry import retry_transient
-from worker.translate import PromptError, Responses, engine_inputs
+from sluice.api import models, store
+from sluice.api.dispatch import dispatch
+from sluice.api.schemas import BODIES, response_body
+from sluice.worker.bridge import EngineBridge, EngineNotRunning
+from sluice.worker.engine import LLMEngine, RequestOutput, RequestRejected
+from sluice.worker.engine_core import EfficiencyWindow, Submit, freeze_heap
+from sluice.worker.metrics import EngineMetrics
+from sluice.worker.reconcile import STALE_SECONDS, reconcile_once
+from sluice.worker.retry import retry_transient
+from sluice.worker.translate import PromptError, Responses, engine_inputs
 
 log = logging.getLogger(__name__)
 RENEW_SECONDS = 5.0  # renewing leases also tells the worker what to abort (cancelled batches): a cancel acts this fast

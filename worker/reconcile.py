@@ -17,10 +17,10 @@ from celery import Celery
 from kombu.exceptions import OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
-from api import store
-from api.dispatch import dispatch
-from api.queue import model_queue, queue_depth
-from worker.retry import retry_transient
+from sluice.api import store
+from sluice.api.dispatch import dispatch
+from sluice.api.queue import model_queue, queue_depth
+from sluice.worker.retry import retry_transient
 
 log = logging.getLogger(__name__)
 STALE_SECONDS = 30.0  # a waiting request published this long ago, in an empty queue, has lost its message

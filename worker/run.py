@@ -17,9 +17,17 @@ from typing import IO
 
 from tqdm import tqdm
 
-from api.schemas import BatchRequest, BatchValidator, LineError, error_line, line_error, output_line, response_body
-from worker.engine import LLMEngine, RequestOutput
-from worker.translate import PromptError, Responses, engine_inputs
+from sluice.api.schemas import (
+    BatchRequest,
+    BatchValidator,
+    LineError,
+    error_line,
+    line_error,
+    output_line,
+    response_body,
+)
+from sluice.worker.engine import LLMEngine, RequestOutput
+from sluice.worker.translate import PromptError, Responses, engine_inputs
 
 QUEUE_DEPTH = 4  # requests held by the engine per max_num_seqs: enough to refill every batch, with bounded memory
 

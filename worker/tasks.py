@@ -11,11 +11,11 @@ from functools import cache
 from celery.exceptions import Reject
 from sqlalchemy.orm import Session, sessionmaker
 
-from api import db
-from api.queue import DELIVER_WEBHOOK, RECONCILE, RUN_CHUNK
-from api.webhooks import deliver
-from worker.celery_app import app
-from worker.reconcile import reconcile_once
+from sluice.api import db
+from sluice.api.queue import DELIVER_WEBHOOK, RECONCILE, RUN_CHUNK
+from sluice.api.webhooks import deliver
+from sluice.worker.celery_app import app
+from sluice.worker.reconcile import reconcile_once
 
 
 @cache
@@ -26,7 +26,7 @@ def sessions() -> sessionmaker[Session]:
 @app.task(name=RUN_CHUNK)
 def run_chunk(request_ids: list[int]) -> None:
     """Returns only once the chunk's results are committed: Celery acks the message after that (acks_late)."""
-    from worker.gpu_worker import current  # the engine side, only in a GPU worker's process
+    from sluice.worker.gpu_worker import current  # the engine side, only in a GPU worker's process
 
     worker = current()
     if worker is None:

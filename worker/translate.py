@@ -9,9 +9,9 @@ from collections.abc import Callable
 from transformers import PreTrainedTokenizerBase
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-from api.schemas import CHAT_URL, PROMPT_FIELDS, Body, Generation, TokenLogprob, chat_messages, sampling_args
-from worker.engine import InputProcessor, RequestOutput, RequestRejected, SamplingParams
-from worker.engine.detokenizer import TokenText, decode, decoder_types
+from sluice.api.schemas import CHAT_URL, PROMPT_FIELDS, Body, Generation, TokenLogprob, chat_messages, sampling_args
+from sluice.worker.engine import InputProcessor, RequestOutput, RequestRejected, SamplingParams
+from sluice.worker.engine.detokenizer import TokenText, decode, decoder_types
 
 
 class PromptError(ValueError):

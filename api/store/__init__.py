@@ -5,7 +5,7 @@ the work becomes visible: `with sessions.begin() as session: ...` (see api.db). 
 is for after the commit. Refusals raise StoreError subclasses whose message names the problem; nothing is stored.
 """
 
-from api.store.batches import (
+from sluice.api.store.batches import (
     DEFAULT_PRIORITY,
     MAX_LINES,
     Work,
@@ -14,14 +14,14 @@ from api.store.batches import (
     input_file_problem,
     submit_jsonl,
 )
-from api.store.common import REQUEST_PREFIX, Conflict, InvalidInput, NotFound, StoreError
-from api.store.files import MAX_FILE_BYTES, file_content, file_slice, get_file, store_file
-from api.store.leases import Claimed, RequestResult, claim, mark_cancelled, release, renew_leases, write_results
-from api.store.lifecycle import cancel_batch, expire_batches
-from api.store.listing import delete_file, list_batches, list_files
-from api.store.metrics import kv_cache_use, latency_histogram, requests_by_status, token_totals
-from api.store.recovery import models_with_waiting_requests, recover_expired_leases, republish_stale
-from api.store.tenants import (
+from sluice.api.store.common import REQUEST_PREFIX, Conflict, InvalidInput, NotFound, StoreError
+from sluice.api.store.files import MAX_FILE_BYTES, file_content, file_slice, get_file, store_file
+from sluice.api.store.leases import Claimed, RequestResult, claim, mark_cancelled, release, renew_leases, write_results
+from sluice.api.store.lifecycle import cancel_batch, expire_batches
+from sluice.api.store.listing import delete_file, list_batches, list_files
+from sluice.api.store.metrics import kv_cache_use, latency_histogram, requests_by_status, token_totals
+from sluice.api.store.recovery import models_with_waiting_requests, recover_expired_leases, republish_stale
+from sluice.api.store.tenants import (
     DEFAULT_TENANT,
     create_api_key,
     find_api_key,
@@ -30,8 +30,8 @@ from api.store.tenants import (
     resolve_api_key,
     revoke_api_key,
 )
-from api.store.usage import DayUsage, batch_usage, cost, gpu_hour_cost, tenant_usage
-from api.store.views import (
+from sluice.api.store.usage import DayUsage, batch_usage, cost, gpu_hour_cost, tenant_usage
+from sluice.api.store.views import (
     batch_view,
     error_file_id,
     error_lines,
@@ -44,7 +44,7 @@ from api.store.views import (
     result_page,
     view_file,
 )
-from api.store.webhooks import (
+from sluice.api.store.webhooks import (
     EVENTS,
     create_webhook_endpoint,
     delete_webhook_endpoint,
@@ -54,7 +54,7 @@ from api.store.webhooks import (
     list_webhook_endpoints,
     new_deliveries,
 )
-from api.store.workers import efficiency_windows, heartbeat, live_workers, record_efficiency
+from sluice.api.store.workers import efficiency_windows, heartbeat, live_workers, record_efficiency
 
 __all__ = [
     "Claimed", "Conflict", "DEFAULT_PRIORITY", "DEFAULT_TENANT", "DayUsage", "EVENTS", "InvalidInput",

@@ -11,8 +11,8 @@ from sqlalchemy import insert as core_insert
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
-from api.models import Batch, Request
-from api.store.ids import IdList, InIds
+from sluice.api.models import Batch, Request
+from sluice.api.store.ids import IdList, InIds
 
 
 class StoreError(Exception):

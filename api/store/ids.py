@@ -18,7 +18,7 @@ from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.sql.visitors import InternalTraversal
 from sqlalchemy.types import TypeDecorator
 
-from api.schemas import storable
+from sluice.api.schemas import storable
 
 
 class IdList(TypeDecorator):

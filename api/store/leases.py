@@ -15,8 +15,8 @@ from typing import Any
 from sqlalchemy import Connection, bindparam, select
 from sqlalchemy.orm import Session
 
-from api.models import Result
-from api.store.common import (
+from sluice.api.models import Result
+from sluice.api.store.common import (
     BATCHES,
     IDS,
     NOW,
@@ -30,9 +30,9 @@ from api.store.common import (
     lock_batches_of,
     update_requests,
 )
-from api.store.lifecycle import USAGE, count_and_settle, settle
-from api.store.recovery import MAX_ATTEMPTS
-from api.store.usage import cost, gpu_hour_cost
+from sluice.api.store.lifecycle import USAGE, count_and_settle, settle
+from sluice.api.store.recovery import MAX_ATTEMPTS
+from sluice.api.store.usage import cost, gpu_hour_cost
 
 ACCEPTING = ("in_progress", "cancelling")  # batches whose running requests may still finish
 EXPIRES = bindparam("expires")

@@ -13,8 +13,8 @@ import time
 from sqlalchemy import bindparam, exists, select, update
 from sqlalchemy.orm import Session
 
-from api.models import Batch, Request, Result
-from api.store.common import (
+from sluice.api.models import Batch, Request, Result
+from sluice.api.store.common import (
     BATCHES,
     NOW,
     REQUESTS,
@@ -25,7 +25,7 @@ from api.store.common import (
     lease_expired,
     lock_batches,
 )
-from api.store.webhooks import notify
+from sluice.api.store.webhooks import notify
 
 EXPIRED_MESSAGE = "this request could not be executed before the completion window expired"
 EXPIRED_STATUS_CODE = 408

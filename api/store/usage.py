@@ -9,8 +9,8 @@ from dataclasses import dataclass
 from sqlalchemy import Integer, cast, func, select
 from sqlalchemy.orm import Session
 
-from api.env import float_setting
-from api.models import Batch, Request, Result
+from sluice.api.env import float_setting
+from sluice.api.models import Batch, Request, Result
 
 DAY_SECONDS = 86_400
 

@@ -14,12 +14,12 @@ from contextlib import suppress
 from sqlalchemy import select, tuple_, update
 from sqlalchemy.orm import Session
 
-from api.models import Batch, Request, Result
-from api.schemas import LineError, error_line, output_line
-from api.store.common import BATCHES, REQUEST_PREFIX, InvalidInput, NotFound
-from api.store.ids import findable
-from api.store.usage import batch_usage
-from api.store.workers import live_workers
+from sluice.api.models import Batch, Request, Result
+from sluice.api.schemas import LineError, error_line, output_line
+from sluice.api.store.common import BATCHES, REQUEST_PREFIX, InvalidInput, NotFound
+from sluice.api.store.ids import findable
+from sluice.api.store.usage import batch_usage
+from sluice.api.store.workers import live_workers
 
 OUTPUT_PREFIX, ERROR_PREFIX = "file-out-", "file-err-"
 STREAM_ROWS = 500

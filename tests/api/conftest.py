@@ -21,10 +21,10 @@ from databases import postgres_database, redis_db
 from servers import serve_app
 from sqlalchemy import text
 
-from api import db, store
-from api.models import Base
-from api.queue import make_app
-from api.server import create_app
+from sluice.api import db, store
+from sluice.api.models import Base
+from sluice.api.queue import make_app
+from sluice.api.server import create_app
 
 REDIS_DB = 13
 

@@ -11,9 +11,9 @@ import openai
 import pytest
 from api_helpers import chat, finish, jsonl, request_ids
 
-from api import store
-from api.models import EfficiencyWindow
-from api.queue import model_queue, queue_depth
+from sluice.api import store
+from sluice.api.models import EfficiencyWindow
+from sluice.api.queue import model_queue, queue_depth
 
 
 def upload(client, lines) -> str:

@@ -16,9 +16,9 @@ import pytest
 from api_helpers import chat, finish, jsonl
 from sqlalchemy import select, update
 
-import api.client
-from api.client import MAX_WAIT, Client, SluiceError, text_of
-from api.models import Request, Result
+import sluice.api.client
+from sluice.api.client import MAX_WAIT, Client, SluiceError, text_of
+from sluice.api.models import Request, Result
 
 
 def finish_in_rounds(api, batch_id: str, rounds: int, failed_every: int = 0) -> threading.Thread:
@@ -228,7 +228,7 @@ def test_map_documents_does_not_create_its_batch_twice():
 
 def test_retry_after_in_seconds_decimals_or_a_date_is_honoured_up_to_a_cap(monkeypatch):
     waits = []
-    monkeypatch.setattr(api.client, "time", SimpleNamespace(sleep=waits.append, time=time.time))
+    monkeypatch.setattr(sluice.api.client, "time", SimpleNamespace(sleep=waits.append, time=time.time))
     headers = ["3", "1.5", formatdate(time.time() + 8, usegmt=True), "86400", "soon", "-5"]
 
     def answer(request):

@@ -43,7 +43,7 @@ def test_gpu_worker_webhooks_worker_and_prometheus(compose):
     assert "replicas" not in gpu["deploy"]
     assert gpu["build"]["args"]["EXTRAS"] == "gpu"
     webhooks = services["webhooks-worker"]["command"]
-    assert webhooks[:7] == ["celery", "-A", "worker.celery_app", "worker", "-Q", "webhooks,maintenance", "-B"]
+    assert webhooks[:7] == ["celery", "-A", "sluice.worker.celery_app", "worker", "-Q", "webhooks,maintenance", "-B"]
     # beat writes its schedule file; the image's user cannot write its working directory (/app, root's)
     assert webhooks[webhooks.index("--schedule-filename") + 1].startswith("/tmp/")
     assert "USER sluice" in (ROOT / "Dockerfile").read_text()
@@ -73,7 +73,7 @@ def test_docker_compose_config_validates():
 
 def test_sluice_commands_parse(compose):
     """Every `sluice` command the services run has the flags `sluice <cmd> --help` lists (a wrong one exits 2)."""
-    from worker.cli import build_parser
+    from sluice.worker.cli import build_parser
 
     parser = build_parser()
     commands = [service["command"] for service in compose["services"].values()

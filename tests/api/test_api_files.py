@@ -10,8 +10,8 @@ import openai
 import pytest
 from api_helpers import TEST_SETTINGS, chat, jsonl
 
-from api.routes_files import MULTIPART_SLACK
-from api.server import create_app
+from sluice.api.routes_files import MULTIPART_SLACK
+from sluice.api.server import create_app
 
 
 def test_upload_list_get_content_delete(api, tenant_key, openai_client):
@@ -35,7 +35,7 @@ def test_upload_list_get_content_delete(api, tenant_key, openai_client):
 
 def test_a_download_streams_the_file_a_slice_at_a_time(api, tenant_key, openai_client, monkeypatch):
     """A stored file is read a slice per transaction (a whole 200 MB one took 1.3 GB of the server's memory)."""
-    from api import routes_files, store
+    from sluice.api import routes_files, store
 
     reads = []
     monkeypatch.setattr(routes_files, "FILE_SLICE", 100)

@@ -13,16 +13,16 @@ import httpx
 from api_helpers import TEST_SETTINGS, chat, finish, jsonl, request_ids
 from servers import serve_app
 
-from api import db, store
-from api.models import EfficiencyWindow
-from api.queue import make_app
-from api.server import create_app
-from api.settings import Settings
+from sluice.api import db, store
+from sluice.api.models import EfficiencyWindow
+from sluice.api.queue import make_app
+from sluice.api.server import create_app
+from sluice.api.settings import Settings
 
 METRICS = ("sluice:num_requests_running", "sluice:num_requests_waiting", "sluice:kv_cache_usage_perc",
            "sluice:prompt_tokens_total", "sluice:generation_tokens_total", "sluice:time_to_first_token_seconds",
            "sluice:e2e_request_latency_seconds", "sluice:queue_depth")
-SLUICE = [sys.executable, "-m", "worker"]  # the `sluice` command
+SLUICE = [sys.executable, "-m", "sluice"]  # the `sluice` command
 
 
 def test_health_and_readiness(api, api_database):

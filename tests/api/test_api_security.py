@@ -15,12 +15,12 @@ from api_helpers import TEST_SETTINGS, chat, finish, jsonl, request_ids
 from servers import serve_app
 from sqlalchemy import select
 
-from api import db, webhooks
-from api.models import WebhookDelivery
-from api.queue import make_app
-from api.server import create_app
-from api.store.webhooks import MAX_ENDPOINTS, MAX_URL_CHARS
-from api.webhooks import ERROR_CHARS, deliver
+from sluice.api import db, webhooks
+from sluice.api.models import WebhookDelivery
+from sluice.api.queue import make_app
+from sluice.api.server import create_app
+from sluice.api.store.webhooks import MAX_ENDPOINTS, MAX_URL_CHARS
+from sluice.api.webhooks import ERROR_CHARS, deliver
 
 LIMIT = TEST_SETTINGS.max_file_bytes
 

@@ -10,8 +10,8 @@ from api_helpers import chat, finish, jsonl, request_ids
 from sqlalchemy import select
 from sqlalchemy.exc import OperationalError
 
-from api.models import ApiKey
-from worker.cli import main
+from sluice.api.models import ApiKey
+from sluice.worker.cli import main
 
 
 @pytest.fixture
@@ -100,7 +100,7 @@ def test_keys_cli_creates_and_revokes(api, api_database, openai_client, monkeypa
 
 def test_a_key_revoked_while_its_upload_arrives_stores_nothing(api, tenant_key, monkeypatch):
     """The key is checked before an upload's body is read, and the body may take minutes: a revoke in between wins."""
-    from api import store
+    from sluice.api import store
 
     key, checked, resolve = tenant_key(), threading.Event(), store.resolve_api_key
     monkeypatch.setattr(store, "resolve_api_key", lambda *a: (resolve(*a), checked.set())[0])
@@ -130,7 +130,7 @@ def test_a_write_in_a_keys_name_holds_the_key_until_it_commits(api, tenant_key):
     """A revoke waits for a create that has checked the key (PostgreSQL row lock), so no create lands after it."""
     from sqlalchemy import text
 
-    from api import store
+    from sluice.api import store
 
     tenant_key()
     with api.sessions.begin() as session:

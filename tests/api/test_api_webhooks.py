@@ -17,10 +17,10 @@ from api_helpers import chat, finish, jsonl, request_ids
 from servers import Receiver
 from sqlalchemy import select, update
 
-from api import store, webhooks
-from api.models import WebhookDelivery
-from api.webhooks import GIVE_UP_AFTER, deliver, publish_deliveries
-from worker.reconcile import reconcile_once
+from sluice.api import store, webhooks
+from sluice.api.models import WebhookDelivery
+from sluice.api.webhooks import GIVE_UP_AFTER, deliver, publish_deliveries
+from sluice.worker.reconcile import reconcile_once
 
 
 @pytest.fixture

@@ -7,11 +7,11 @@ shapes and dtypes, shared memory). Run without TRITON_INTERPRET; test_compile_h2
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, compile
 
-from kernels.decode_attention import _decode_partial_kernel, _decode_reduce_kernel
-from kernels.kv_store import _store_kv_kernel
-from kernels.prefill_attention import _prefill_kernel
-from kernels.w4a16 import _w4a16_kernel
-from kernels.w8a16 import _w8a16_kernel, tiles_for
+from sluice.kernels.decode_attention import _decode_partial_kernel, _decode_reduce_kernel
+from sluice.kernels.kv_store import _store_kv_kernel
+from sluice.kernels.prefill_attention import _prefill_kernel
+from sluice.kernels.w4a16 import _w4a16_kernel
+from sluice.kernels.w8a16 import _w8a16_kernel, tiles_for
 
 H200 = GPUTarget("cuda", 90, 32)
 H200_SHARED_MEMORY = 232448  # bytes one program may use on sm_90 (227 KiB)

@@ -4,7 +4,7 @@ import os
 
 import torch
 
-from kernels.quant import quantize_kv_int8
+from sluice.kernels.quant import quantize_kv_int8
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = "cpu" if INTERPRETED else "cuda"

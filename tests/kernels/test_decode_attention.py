@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from kernel_test_utils import DEVICE, assert_close, gather_context, make_paged_kv, nan_like, strided_copy
 
-from kernels.decode_attention import paged_decode_attention, paged_decode_attention_ref
+from sluice.kernels.decode_attention import paged_decode_attention, paged_decode_attention_ref
 
 # Shorter than a block, exactly one, one past, and many blocks (several 64-token kernel steps).
 CONTEXT_LENS = [1, 7, 16, 17, 150]

@@ -4,8 +4,8 @@ import pytest
 import torch
 from kernel_test_utils import DEVICE, strided_copy
 
-from kernels.kv_store import store_kv, store_kv_ref
-from kernels.quant import dequantize_kv_int8
+from sluice.kernels.kv_store import store_kv, store_kv_ref
+from sluice.kernels.quant import dequantize_kv_int8
 
 UNWRITTEN_INT8 = -128  # quantization never produces it, so an unwritten slot shows
 

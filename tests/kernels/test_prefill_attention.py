@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from kernel_test_utils import DEVICE, assert_close, gather_context, make_paged_kv, nan_like, strided_copy
 
-from kernels.prefill_attention import paged_prefill_attention, paged_prefill_attention_ref
+from sluice.kernels.prefill_attention import paged_prefill_attention, paged_prefill_attention_ref
 
 # (new query tokens, context length including them): a short prompt, one crossing the 64-row query blocks,
 # a chunk after a cached prefix, a single token, and a prefix-cache hit spanning many blocks.

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from kernels.quant import (
+from sluice.kernels.quant import (
     dequantize_int4,
     dequantize_int8,
     dequantize_kv_int8,

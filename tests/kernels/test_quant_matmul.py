@@ -4,9 +4,9 @@ import pytest
 import torch
 from kernel_test_utils import DEVICE, assert_close, nan_like, strided_copy
 
-from kernels.quant import quantize_int4, quantize_int8
-from kernels.w4a16 import w4a16_matmul, w4a16_matmul_ref
-from kernels.w8a16 import w8a16_matmul, w8a16_matmul_ref
+from sluice.kernels.quant import quantize_int4, quantize_int8
+from sluice.kernels.w4a16 import w4a16_matmul, w4a16_matmul_ref
+from sluice.kernels.w8a16 import w8a16_matmul, w8a16_matmul_ref
 
 # Each band of the tile table (M <= 16, <= 32, <= 64, larger), none a multiple of its BLOCK_M.
 MS = [1, 5, 20, 33, 130]

@@ -8,9 +8,9 @@ SCRIPT = """
 import sys
 sys.modules["triton"] = None  # import triton now raises ImportError, as on a host without it
 import torch
-from kernels.quant import quantize_int8
-from kernels.w8a16 import w8a16_matmul, w8a16_matmul_ref
-import kernels.decode_attention, kernels.prefill_attention, kernels.kv_store, kernels.w4a16
+from sluice.kernels.quant import quantize_int8
+from sluice.kernels.w8a16 import w8a16_matmul, w8a16_matmul_ref
+import sluice.kernels.decode_attention, sluice.kernels.prefill_attention, sluice.kernels.kv_store, sluice.kernels.w4a16
 x, (qweight, scale) = torch.randn(2, 32), quantize_int8(torch.randn(4, 32))
 assert w8a16_matmul_ref(x, qweight, scale).shape == (2, 4)
 try:

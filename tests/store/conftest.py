@@ -7,8 +7,8 @@ import pytest
 from databases import postgres_database, redis_db
 from sqlalchemy import text
 
-from api import db
-from api.models import Base
+from sluice.api import db
+from sluice.api.models import Base
 
 REDIS_DB = 11
 

@@ -10,9 +10,9 @@ import pytest
 from sqlalchemy import func, select
 from store_test_utils import MODEL, batch_row, chat, completion, jsonl, read_chunks, submit
 
-from api import queue, store
-from api.models import Request, Result, WebhookDelivery
-from api.schemas import BODIES, CHAT_URL, COMPLETIONS_URL
+from sluice.api import queue, store
+from sluice.api.models import Request, Result, WebhookDelivery
+from sluice.api.schemas import BODIES, CHAT_URL, COMPLETIONS_URL
 
 
 def counts(sessions, batch_id: str) -> tuple[int, int]:

@@ -14,9 +14,9 @@ import pytest
 from sqlalchemy import select
 from store_test_utils import chat, jsonl, ok, read_chunks
 
-from api import store
-from api.models import ApiKey, Batch
-from worker.cli import main
+from sluice.api import store
+from sluice.api.models import ApiKey, Batch
+from sluice.worker.cli import main
 
 
 @pytest.fixture
@@ -119,7 +119,7 @@ def test_a_malformed_setting_is_named_before_anything_is_stored_or_loaded(tmp_pa
     each batch as it was created."""
     def started(*args):
         raise AssertionError("the API server started")
-    monkeypatch.setattr("api.server.serve", started)
+    monkeypatch.setattr("sluice.api.server.serve", started)
     monkeypatch.setenv(setting, value)
     source = tmp_path / "in.jsonl"
     source.write_bytes(jsonl([chat("a", model="tiny")]))
@@ -162,7 +162,7 @@ def test_serve_names_the_host_of_its_in_memory_broker(caplog):
     every message it re-sent."""
     from kombu import Connection
 
-    from worker.serve_command import BROKER_URL
+    from sluice.worker.cli.serve import BROKER_URL
 
     with caplog.at_level(logging.WARNING), Connection(BROKER_URL) as connection:
         connection.ensure_connection()
@@ -185,7 +185,7 @@ def test_results_keep_the_previous_files_when_writing_fails(tmp_path, cli_env, c
 
     def full(fd):
         raise OSError(errno.ENOSPC, "No space left on device")
-    monkeypatch.setattr("worker.cli.os.fsync", full)
+    monkeypatch.setattr("sluice.worker.cli.common.os.fsync", full)
     code, _, err = sluice(capsys, "results", batch_id, "-o", output)
     assert code == 2 and f"{output}: No space left on device" in err
     assert (output.read_text(), errors.read_text()) == ("previous output\n", "previous errors\n")
@@ -246,7 +246,7 @@ def test_ports_outside_1_to_65535_are_refused(capsys, argv):
 
 def test_a_closed_stdout_stops_quietly(tmp_path, cli_env, capsys):
     batch_id = submitted(tmp_path, capsys, [chat("a")])
-    proc = subprocess.Popen([sys.executable, "-c", "import sys; from worker.cli import main; sys.exit(main())",
+    proc = subprocess.Popen([sys.executable, "-c", "import sys; from sluice.worker.cli import main; sys.exit(main())",
                              "status", batch_id], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     proc.stdout.close()  # `sluice status B | head -0`: the reader has gone before the first write
     err = proc.stderr.read()
@@ -260,6 +260,7 @@ def test_an_unmigrated_database_is_named(tmp_path, monkeypatch, capsys):
 
 
 def test_api_and_the_cli_parser_import_no_torch():
-    check = ("import sys, api.db, api.models, api.queue, api.store, worker.cli; worker.cli.build_parser(); "
-             "assert not {'torch', 'worker.engine'} & set(sys.modules), sorted(sys.modules)")
+    check = ("import sys, sluice.api.db, sluice.api.models, sluice.api.queue, sluice.api.store, sluice.worker.cli; "
+             "sluice.worker.cli.build_parser(); "
+             "assert not {'torch', 'sluice.worker.engine'} & set(sys.modules), sorted(sys.modules)")
     subprocess.run([sys.executable, "-c", check], check=True, capture_output=True)

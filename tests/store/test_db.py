@@ -8,14 +8,13 @@ from contextlib import contextmanager
 import pytest
 from alembic import command
 from alembic.autogenerate import compare_metadata
-from alembic.config import Config
 from alembic.migration import MigrationContext
 from databases import postgres_database
 from sqlalchemy import inspect, text
 
-from api import db
-from api.models import Base
-from worker.cli import main
+from sluice.api import db
+from sluice.api.models import Base
+from sluice.worker.cli import main
 
 
 def test_sqlite_connections_use_wal_a_busy_timeout_and_foreign_keys(sqlite_engine):
@@ -39,7 +38,7 @@ def test_db_upgrade_command_is_repeatable_and_downgrades(tmp_path, monkeypatch, 
     assert "latest schema" in capsys.readouterr().err
     engine = db.make_engine(url)
     assert set(inspect(engine).get_table_names()) == set(Base.metadata.tables) | {"alembic_version"}
-    config = Config(str(db.MIGRATIONS / "alembic.ini"))
+    config = db.alembic_config()
     with engine.begin() as connection:  # the downgrade path works too
         config.attributes["connection"] = connection
         command.downgrade(config, "base")
@@ -80,7 +79,7 @@ def test_the_usage_migration_sums_the_results_of_batches_already_stored(tmp_path
 
 
 def downgrade(engine, revision: str) -> None:
-    config = Config(str(db.MIGRATIONS / "alembic.ini"))
+    config = db.alembic_config()
     with engine.begin() as connection:
         config.attributes["connection"] = connection
         command.downgrade(config, revision)

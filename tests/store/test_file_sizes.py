@@ -12,12 +12,12 @@ from store_test_utils import batch_row, chat, failed, jsonl, ok, submit
 from test_leases import claim, run_together, write
 from test_lifecycle import claim_and_die, expire_now
 
-from api import store
-from api.models import Batch
-from api.queue import make_app
-from api.server import create_app
-from api.settings import Settings
-from api.store.recovery import MAX_ATTEMPTS
+from sluice.api import store
+from sluice.api.models import Batch
+from sluice.api.queue import make_app
+from sluice.api.server import create_app
+from sluice.api.settings import Settings
+from sluice.api.store.recovery import MAX_ATTEMPTS
 
 TEXT = "日本語の答え ✓ — naïve café 😀"  # three- and four-byte UTF-8: a count of characters would fall short
 
@@ -134,7 +134,7 @@ def test_a_failed_batch_keeps_empty_files(sessions, files):
 def test_the_first_size_kept_is_the_one_every_host_reads(sessions):
     """Two hosts that counted at once both keep theirs by a conditional UPDATE: one wins, and both answer its number
     (they counted the same final file, so the numbers agree anyway; unequal ones show who won)."""
-    from api.store.views import keep_file_bytes
+    from sluice.api.store.views import keep_file_bytes
 
     batch, work = submit(sessions, jsonl([chat("a")]))
     with sessions.begin() as session:

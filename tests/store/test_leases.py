@@ -10,8 +10,8 @@ import pytest
 from sqlalchemy import event, func, select, text
 from store_test_utils import batch_row, chat, failed, ok, statuses, submit
 
-from api import store
-from api.models import Request, Result, WebhookDelivery
+from sluice.api import store
+from sluice.api.models import Request, Result, WebhookDelivery
 
 
 def run_together(*calls):
@@ -89,7 +89,7 @@ def test_an_expired_lease_is_taken_over(sessions):
 
 
 def test_a_request_that_stopped_max_attempts_workers_is_not_claimed_again(sessions):
-    from api.store.recovery import MAX_ATTEMPTS
+    from sluice.api.store.recovery import MAX_ATTEMPTS
 
     _, work = submit(sessions, [chat("poison")])
     for attempt in range(1, MAX_ATTEMPTS + 1):

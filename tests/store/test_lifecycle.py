@@ -12,8 +12,8 @@ from sqlalchemy import event, select, text, update
 from store_test_utils import batch_row, chat, ok, statuses, submit
 from test_leases import claim, endpoint, run_together, write
 
-from api import store
-from api.models import Batch, Request, Result, WebhookDelivery
+from sluice.api import store
+from sluice.api.models import Batch, Request, Result, WebhookDelivery
 
 
 def events(sessions) -> list[str]:
@@ -142,7 +142,7 @@ def test_reconcile_republishes_a_dead_workers_requests_once(sessions):
 
 
 def test_a_request_that_keeps_killing_workers_fails_after_max_attempts(sessions):
-    from api.store.recovery import MAX_ATTEMPTS
+    from sluice.api.store.recovery import MAX_ATTEMPTS
 
     batch, work = submit(sessions, [chat("poison"), chat("fine")])
     poison, fine = work.request_ids
@@ -161,7 +161,7 @@ def test_a_request_that_keeps_killing_workers_fails_after_max_attempts(sessions)
 
 
 def test_restarts_that_gave_a_request_back_are_not_counted_as_attempts(sessions):
-    from api.store.recovery import MAX_ATTEMPTS
+    from sluice.api.store.recovery import MAX_ATTEMPTS
 
     batch, work = submit(sessions, [chat("a")])
     for restart in range(MAX_ATTEMPTS + 1):  # rolling restarts: each worker gave it back at its SIGTERM

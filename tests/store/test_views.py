@@ -11,9 +11,9 @@ from sqlalchemy import event, select, text, update
 from store_test_utils import chat, failed, ok, submit
 from test_leases import claim, write
 
-from api import store
-from api.models import EfficiencyWindow, Request, Result, Worker
-from api.store.workers import LIVE_SECONDS
+from sluice.api import store
+from sluice.api.models import EfficiencyWindow, Request, Result, Worker
+from sluice.api.store.workers import LIVE_SECONDS
 
 
 def view(sessions, batch_id):
@@ -230,7 +230,7 @@ def test_every_result_names_its_requests_batch_and_line_whatever_wrote_it(sessio
     line's result (written at creation), a worker's response and error, worker_lost, and batch_expired."""
     from test_lifecycle import claim_and_die, expire_now
 
-    from api.store.recovery import MAX_ATTEMPTS
+    from sluice.api.store.recovery import MAX_ATTEMPTS
 
     batch, work = submit(sessions, ["{bad", chat("a"), chat("b"), chat("poison")])
     a, b, poison = work.request_ids

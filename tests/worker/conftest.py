@@ -16,9 +16,9 @@ import pytest
 from databases import postgres_database, redis_db
 from sqlalchemy import select, text
 
-from api import db, store
-from api.models import Base, Request, Result
-from api.queue import make_app, publish_chunks
+from sluice.api import db, store
+from sluice.api.models import Base, Request, Result
+from sluice.api.queue import make_app, publish_chunks
 
 MODEL = "tiny"
 REDIS_DB = 12
@@ -53,7 +53,7 @@ class Cluster:
 
     def start_worker(self, *flags: str) -> subprocess.Popen:
         log = (self.logs / f"worker-{len(self.workers)}.log").open("w")
-        proc = subprocess.Popen([sys.executable, "-m", "worker", "worker", "--model", str(self.model_dir),
+        proc = subprocess.Popen([sys.executable, "-m", "sluice", "worker", "--model", str(self.model_dir),
                                  *WORKER_FLAGS, *flags], env=self.env(), stdout=log, stderr=subprocess.STDOUT)
         self.workers.append(proc)
         return proc

@@ -15,10 +15,10 @@ import pytest
 from processes import engine_child, thread_cpus
 from servers import Receiver, free_port, serve_app
 
-from api import store
-from api.server import create_app
-from api.settings import Settings
-from worker.engine import LLM, SamplingParams
+from sluice.api import store
+from sluice.api.server import create_app
+from sluice.api.settings import Settings
+from sluice.worker.engine import LLM, SamplingParams
 
 QUESTIONS = [f"Question {i}: is simple better than complex? {'Explain. ' * (i % 4)}" for i in range(10)]
 
@@ -57,9 +57,9 @@ def live(cluster, monkeypatch):
         _, key = store.create_api_key(session, store.get_or_create_tenant(session, "acme").id)
     env = {**cluster.env(), "SLUICE_WEBHOOK_ALLOW_PRIVATE": "1"}
     log = (cluster.logs / "webhooks.log").open("w")
-    hooks = subprocess.Popen([sys.executable, "-m", "celery", "-A", "worker.celery_app", "worker", "-Q", "webhooks",
-                              "-P", "threads", "-c", "2", "--without-gossip", "--without-mingle", "--loglevel",
-                              "WARNING"], env=env, stdout=log, stderr=subprocess.STDOUT)
+    hooks = subprocess.Popen([sys.executable, "-m", "celery", "-A", "sluice.worker.celery_app", "worker", "-Q",
+                              "webhooks", "-P", "threads", "-c", "2", "--without-gossip", "--without-mingle",
+                              "--loglevel", "WARNING"], env=env, stdout=log, stderr=subprocess.STDOUT)
     with serve_app(create_app(cluster.sessions, cluster.app, Settings(models=("tiny",)))) as url:
         yield url, key
     hooks.kill()
@@ -119,7 +119,7 @@ def test_sluice_serve_on_sqlite_with_the_sdk(tmp_path, llama_dir):
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLUICE_")}
     log = (tmp_path / "serve.log").open("w")
-    proc = subprocess.Popen([sys.executable, "-m", "worker", "serve", "--model", str(llama_dir), "--served-model-name",
+    proc = subprocess.Popen([sys.executable, "-m", "sluice", "serve", "--model", str(llama_dir), "--served-model-name",
                              "tiny", "--port", str(port), "--data-dir", str(tmp_path / "data")],
                             env=env, stdout=log, stderr=subprocess.STDOUT)
     try:

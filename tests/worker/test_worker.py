@@ -13,10 +13,10 @@ import pytest
 from servers import free_port
 from sqlalchemy import func, select, text
 
-from api import store
-from api.models import EfficiencyWindow, Request, Result
-from worker.engine import LLM, LLMEngine, SamplingParams
-from worker.gpu_worker import ChunkOutcome, GpuWorker, WorkerSettings
+from sluice.api import store
+from sluice.api.models import EfficiencyWindow, Request, Result
+from sluice.worker.engine import LLM, LLMEngine, SamplingParams
+from sluice.worker.gpu_worker import ChunkOutcome, GpuWorker, WorkerSettings
 
 PROMPTS = [f"Request number {i}: {'beautiful is better than ugly ' * (i % 5)}" for i in range(24)]
 
@@ -136,8 +136,8 @@ def test_a_message_delivered_twice_gives_one_result(cluster):
     batch_id = cluster.submit(lines)
     with cluster.sessions.begin() as s:
         ids = s.scalars(select(Request.id).where(Request.batch_id == batch_id)).all()
-    from api.queue import publish_chunks
-    from api.store.batches import Work
+    from sluice.api.queue import publish_chunks
+    from sluice.api.store.batches import Work
 
     publish_chunks(cluster.app, [Work("tiny", 5, sorted(ids))] * 2, size=4)  # every chunk twice more
     cluster.start_worker()
@@ -263,7 +263,7 @@ def test_the_worker_rides_out_its_database_connections_being_killed(cluster):
 def test_a_worker_is_live_only_once_celery_consumes_its_queue(cluster):
     """Built but not consuming, a worker would take no message: it must not count as serving its model (a batch
     would say no worker is waiting when none takes its work, and a test or a bench starting on it races)."""
-    from api.models import Worker
+    from sluice.api.models import Worker
 
     worker = engine_worker(cluster, "starting-model")
 
@@ -321,8 +321,8 @@ def test_a_chunk_claimed_after_the_engine_stopped_is_given_back(cluster):
     queued again without using an attempt, and the message goes back to the queue."""
     from celery.exceptions import Reject
 
-    from worker import tasks
-    from worker.gpu_worker import install
+    from sluice.worker import tasks
+    from sluice.worker.gpu_worker import install
 
     worker = engine_worker(cluster, reconcile_seconds=600)
     batch_id = cluster.submit([completion(i, 4) for i in range(2)])
@@ -344,7 +344,7 @@ def test_a_chunk_claimed_after_the_engine_stopped_is_given_back(cluster):
 
 
 def broker_down():
-    from api.queue import make_app
+    from sluice.api.queue import make_app
 
     return make_app(f"redis://127.0.0.1:{free_port()}/0")  # nothing listens there
 
@@ -352,7 +352,7 @@ def broker_down():
 def test_a_broker_down_when_a_chunk_finishes_its_batch_fails_nothing(cluster):
     """The chunk's transaction completed the batch and wrote its webhook delivery; publishing that delivery then
     failed, and the task raised after its results were stored. Now it is logged and the sweep sends it later."""
-    from api.models import WebhookDelivery
+    from sluice.api.models import WebhookDelivery
 
     with cluster.sessions.begin() as s:
         store.create_webhook_endpoint(s, store.get_or_create_tenant(s, "acme").id, "https://example.com/hook")
@@ -373,7 +373,7 @@ def test_a_broker_down_when_a_chunk_finishes_its_batch_fails_nothing(cluster):
 
 
 def test_a_broker_down_does_not_stop_the_reconciler_expiring_batches(cluster):
-    from worker.reconcile import reconcile_once
+    from sluice.worker.reconcile import reconcile_once
 
     waiting = cluster.submit([completion(0, 2)])  # its model's queue is asked for: the broker fails that
     batch_id = cluster.submit([completion(i, 2) for i in range(2)])
@@ -385,7 +385,7 @@ def test_a_broker_down_does_not_stop_the_reconciler_expiring_batches(cluster):
 
 
 def test_workers_wait_out_a_broker_outage_however_long():
-    from api.queue import make_app
+    from sluice.api.queue import make_app
 
     conf = make_app("redis://127.0.0.1:6379/0").conf
     assert conf.broker_connection_max_retries is None and conf.broker_connection_retry_on_startup

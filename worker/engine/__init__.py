@@ -1,8 +1,8 @@
 """The inference engine: continuous batching over a paged KV cache."""
 
-from worker.engine.llm import LLM, LLMEngine, RequestRejected
-from worker.engine.outputs import RequestOutput
-from worker.engine.processor import InputProcessor
-from worker.engine.sampling_params import SamplingParams
+from sluice.worker.engine.llm import LLM, LLMEngine, RequestRejected
+from sluice.worker.engine.outputs import RequestOutput
+from sluice.worker.engine.processor import InputProcessor
+from sluice.worker.engine.sampling_params import SamplingParams
 
 __all__ = ["LLM", "InputProcessor", "LLMEngine", "RequestOutput", "RequestRejected", "SamplingParams"]

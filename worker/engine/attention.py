@@ -8,8 +8,8 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_attention
-from kernels.quant import dequantize_kv_int8, quantize_kv_int8
+from sluice.kernels import cpu_attention
+from sluice.kernels.quant import dequantize_kv_int8, quantize_kv_int8
 
 
 @dataclass

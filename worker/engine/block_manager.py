@@ -7,7 +7,7 @@ from array import array
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 
-from worker.engine.sequence import Sequence
+from sluice.worker.engine.sequence import Sequence
 
 
 @dataclass

@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import cpu_layers
-from worker.engine.config import ModelConfig, ModelError
+from sluice.kernels import cpu_layers
+from sluice.worker.engine.config import ModelConfig, ModelError
 
 
 class RMSNorm(nn.Module):

@@ -10,16 +10,16 @@ from pathlib import Path
 
 import torch
 
-from worker.engine import detokenizer
-from worker.engine.block_manager import BlockManager
-from worker.engine.config import EngineConfig, ModelConfig
-from worker.engine.model_runner import ModelRunner
-from worker.engine.outputs import RequestOutput
-from worker.engine.processor import InputProcessor, Prompt, RequestRejected, load_tokenizer, max_model_len
-from worker.engine.sampler import sample
-from worker.engine.sampling_params import SamplingParams
-from worker.engine.scheduler import Scheduler
-from worker.engine.sequence import Sequence, TokenLogprobs
+from sluice.worker.engine import detokenizer
+from sluice.worker.engine.block_manager import BlockManager
+from sluice.worker.engine.config import EngineConfig, ModelConfig
+from sluice.worker.engine.model_runner import ModelRunner
+from sluice.worker.engine.outputs import RequestOutput
+from sluice.worker.engine.processor import InputProcessor, Prompt, RequestRejected, load_tokenizer, max_model_len
+from sluice.worker.engine.sampler import sample
+from sluice.worker.engine.sampling_params import SamplingParams
+from sluice.worker.engine.scheduler import Scheduler
+from sluice.worker.engine.sequence import Sequence, TokenLogprobs
 
 
 @dataclass
@@ -35,7 +35,7 @@ class StepRecord:
 
 def resolve_model(model: str) -> Path:
     if model == "demo":
-        from worker.engine.demo import demo_model_dir
+        from sluice.worker.engine.demo import demo_model_dir
 
         return demo_model_dir()
     return Path(model)

@@ -8,8 +8,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from worker.engine.config import ModelConfig, ModelError
-from worker.engine.models import MODELS
+from sluice.worker.engine.config import ModelConfig, ModelError
+from sluice.worker.engine.models import MODELS
 
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers older checkpoints saved
 TIED_HEAD = "lm_head.weight"

@@ -6,13 +6,13 @@ from functools import cached_property
 
 import torch
 
-from kernels import cpu_layers
-from worker.engine.attention import AttentionMetadata, LayerCache, TorchAttention
-from worker.engine.config import CPU_DEFAULT_KV_CACHE_MEMORY, CUDA_MEMORY_FRACTION, EngineConfig, ModelConfig
-from worker.engine.linear import DENSE, ONEDNN_FLOAT32, PACKED_FLOAT32, Linear, can_pack_float32, cpu_gemm
-from worker.engine.loader import build_model, init_dummy_weights, load_weights
-from worker.engine.quantization import quantize_model
-from worker.engine.sequence import Sequence
+from sluice.kernels import cpu_layers
+from sluice.worker.engine.attention import AttentionMetadata, LayerCache, TorchAttention
+from sluice.worker.engine.config import CPU_DEFAULT_KV_CACHE_MEMORY, CUDA_MEMORY_FRACTION, EngineConfig, ModelConfig
+from sluice.worker.engine.linear import DENSE, ONEDNN_FLOAT32, PACKED_FLOAT32, Linear, can_pack_float32, cpu_gemm
+from sluice.worker.engine.loader import build_model, init_dummy_weights, load_weights
+from sluice.worker.engine.quantization import quantize_model
+from sluice.worker.engine.sequence import Sequence
 
 
 class ModelRunner:
@@ -51,7 +51,7 @@ class ModelRunner:
             return backend
         if self.model_config.sliding_window:
             raise ValueError("the triton attention backend has no sliding window; use attention_backend='torch'")
-        from worker.engine.triton_attention import TritonAttention
+        from sluice.worker.engine.triton_attention import TritonAttention
 
         return TritonAttention()
 

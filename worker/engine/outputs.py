@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from operator import attrgetter
 
-from worker.engine.sequence import Sequence, TokenLogprobs
+from sluice.worker.engine.sequence import Sequence, TokenLogprobs
 
 
 @dataclass(slots=True)

@@ -9,8 +9,8 @@ from pathlib import Path
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from worker.engine.config import EngineConfig, ModelConfig
-from worker.engine.sampling_params import SamplingParams
+from sluice.worker.engine.config import EngineConfig, ModelConfig
+from sluice.worker.engine.sampling_params import SamplingParams
 
 Prompt = str | list[int]
 

@@ -9,8 +9,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.quant import INT4_GROUP_SIZES, dequantize_int4, dequantize_int8, quantize_int4, quantize_int8, unpack_int4
-from worker.engine.linear import Linear, take_weight
+from sluice.kernels.quant import (
+    INT4_GROUP_SIZES,
+    dequantize_int4,
+    dequantize_int8,
+    quantize_int4,
+    quantize_int8,
+    unpack_int4,
+)
+from sluice.worker.engine.linear import Linear, take_weight
 
 QUANTIZATIONS = ("int8", "int4")
 QUANTIZED_LAYERS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
@@ -58,7 +65,7 @@ class Int8Method:
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         if self.backend == "triton":
-            from kernels.w8a16 import w8a16_matmul
+            from sluice.kernels.w8a16 import w8a16_matmul
 
             return _bias(w8a16_matmul(x, layer.qweight, layer.scale), layer)
         if not self.on_cpu:
@@ -97,7 +104,7 @@ class Int4Method:
                                                            layer.scales_and_zeros)
             return _bias(y.to(x.dtype), layer)
         if self.backend == "triton":
-            from kernels.w4a16 import w4a16_matmul
+            from sluice.kernels.w4a16 import w4a16_matmul
 
             return _bias(w4a16_matmul(x, layer.qweight, layer.scales, layer.zeros, self.group_size), layer)
         w = dequantize_int4(layer.qweight, layer.scales, layer.zeros, self.group_size)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from worker.engine.sequence import Sequence, TokenLogprobs
+from sluice.worker.engine.sequence import Sequence, TokenLogprobs
 
 
 def sample(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[TokenLogprobs | None]]:

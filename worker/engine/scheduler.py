@@ -5,9 +5,9 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass, field
 
-from worker.engine.block_manager import BlockManager
-from worker.engine.config import EngineConfig
-from worker.engine.sequence import Sequence, SequenceStatus
+from sluice.worker.engine.block_manager import BlockManager
+from sluice.worker.engine.config import EngineConfig
+from sluice.worker.engine.sequence import Sequence, SequenceStatus
 
 
 @dataclass

@@ -8,7 +8,7 @@ from enum import Enum
 
 import torch
 
-from worker.engine.sampling_params import SamplingParams
+from sluice.worker.engine.sampling_params import SamplingParams
 
 _arrival_order = itertools.count()
 

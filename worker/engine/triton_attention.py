@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import torch
 
-from worker.engine.attention import AttentionMetadata, LayerCache
+from sluice.worker.engine.attention import AttentionMetadata, LayerCache
 
 
 class TritonAttention:
     def __init__(self) -> None:
         # imported here so CPU-only installs never need triton
-        from kernels.decode_attention import paged_decode_attention
-        from kernels.kv_store import store_kv
-        from kernels.prefill_attention import paged_prefill_attention
+        from sluice.kernels.decode_attention import paged_decode_attention
+        from sluice.kernels.kv_store import store_kv
+        from sluice.kernels.prefill_attention import paged_prefill_attention
 
         self._decode, self._prefill, self._store = paged_decode_attention, paged_prefill_attention, store_kv
 

@@ -1,6 +1,6 @@
 """Model classes by the architecture name in config.json."""
 
-from worker.engine.models.llama import LlamaForCausalLM
+from sluice.worker.engine.models.llama import LlamaForCausalLM
 
 MODELS = {
     "LlamaForCausalLM": LlamaForCausalLM,

@@ -7,10 +7,10 @@ from dataclasses import replace
 import torch
 from torch import nn
 
-from worker.engine.attention import AttentionBackend, AttentionMetadata, LayerCache
-from worker.engine.config import ModelConfig
-from worker.engine.layers import RMSNorm, Rope, RotaryEmbedding, silu_and_mul
-from worker.engine.linear import Linear
+from sluice.worker.engine.attention import AttentionBackend, AttentionMetadata, LayerCache
+from sluice.worker.engine.config import ModelConfig
+from sluice.worker.engine.layers import RMSNorm, Rope, RotaryEmbedding, silu_and_mul
+from sluice.worker.engine.linear import Linear
 
 # checkpoint projection name -> (fused module, shard index)
 FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),

@@ -1,4 +1,4 @@
-"""`sluice api` (the REST API server) and `sluice keys` (tenants' API keys); they import api/ only, never torch."""
+"""`sluice keys`: tenants' API keys, created and revoked in the database."""
 
 from __future__ import annotations
 
@@ -6,31 +6,11 @@ import argparse
 import datetime
 import sys
 
-from worker.cli import UsageError, database, port, read_settings
+from sluice.worker.cli.common import UsageError, database
 
 
-def add_api_parser(commands) -> None:
-    parser = commands.add_parser(
-        "api", help="run the REST API server",
-        description="Serve the OpenAI-compatible Files and Batches API and sluice's own routes over "
-                    "SLUICE_DATABASE_URL and SLUICE_BROKER_URL. Limits: SLUICE_MAX_FILE_BYTES, SLUICE_MAX_BATCH_LINES; "
-                    "models accepted before their workers are up: SLUICE_MODELS (comma-separated); /metrics token: "
-                    "SLUICE_METRICS_TOKEN.")
-    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    parser.add_argument("--port", type=port, default=8000, help="port to listen on (default 8000)")
-    parser.set_defaults(handler=api_command)
-
-
-def api_command(args: argparse.Namespace) -> int:
-    from api.queue import chunk_size
-    from api.server import serve
-
-    read_settings(chunk_size)  # else read only as a batch is published, after it was stored
-    try:
-        serve(args.host, args.port)
-    except ValueError as e:  # a malformed SLUICE_* setting
-        raise UsageError(str(e)) from None
-    return 0
+def add_parsers(commands) -> None:
+    add_keys_parser(commands)
 
 
 def add_keys_parser(commands) -> None:
@@ -51,7 +31,7 @@ def add_keys_parser(commands) -> None:
 
 
 def keys_create_command(args: argparse.Namespace) -> int:
-    from api import store
+    from sluice.api import store
 
     try:
         with database() as session:
@@ -66,8 +46,8 @@ def keys_create_command(args: argparse.Namespace) -> int:
 
 
 def keys_revoke_command(args: argparse.Namespace) -> int:
-    from api import store
-    from api.store.tenants import KEY_PREFIX
+    from sluice.api import store
+    from sluice.api.store.tenants import KEY_PREFIX
 
     try:
         with database() as session:

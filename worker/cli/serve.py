@@ -20,13 +20,21 @@ import threading
 from functools import partial
 from pathlib import Path
 
-from worker.cli import UsageError, add_engine_args, load_engine, port, read_settings, require_engine, served_model_name
+from sluice.worker.cli.common import (
+    UsageError,
+    add_engine_args,
+    load_engine,
+    port,
+    read_settings,
+    require_engine,
+    served_model_name,
+)
 
 KEY_FILE = "api_key"
 BROKER_URL = "memory://localhost/"  # with its host named: kombu warns of a missing one at every connection
 
 
-def add_serve_parser(commands) -> None:
+def add_parsers(commands) -> None:
     parser = commands.add_parser("serve", help="API, queue and worker in one process (SQLite, no Redis needed)")
     add_engine_args(parser)
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
@@ -39,9 +47,9 @@ def add_serve_parser(commands) -> None:
 
 def serve_command(args: argparse.Namespace) -> int:
     require_engine()
-    from api.queue import chunk_size, reconcile_seconds
-    from api.settings import Settings
-    from api.store import gpu_hour_cost
+    from sluice.api.queue import chunk_size, reconcile_seconds
+    from sluice.api.settings import Settings
+    from sluice.api.store import gpu_hour_cost
 
     settings, *_ = read_settings(Settings.from_env, chunk_size, gpu_hour_cost, reconcile_seconds)
     try:
@@ -55,12 +63,12 @@ def serve_command(args: argparse.Namespace) -> int:
     import uvicorn
     from sqlalchemy.exc import OperationalError
 
-    from api import db
-    from api.queue import MAINTENANCE_QUEUE, WEBHOOKS_QUEUE, model_queue
-    from api.server import create_app
-    from worker.celery_app import app as celery
-    from worker.gpu_worker import GpuWorker, WorkerSettings
-    from worker.worker_command import serve_queues
+    from sluice.api import db
+    from sluice.api.queue import MAINTENANCE_QUEUE, WEBHOOKS_QUEUE, model_queue
+    from sluice.api.server import create_app
+    from sluice.worker.celery_app import app as celery
+    from sluice.worker.cli.worker import serve_queues
+    from sluice.worker.gpu_worker import GpuWorker, WorkerSettings
 
     logging.basicConfig(level=args.loglevel.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     celery.conf.broker_transport_options = {**celery.conf.broker_transport_options, "polling_interval": 0.05}
@@ -100,7 +108,7 @@ def bind(host: str, port: int) -> socket.socket:
 
 def local_key(sessions, path: Path) -> str:
     """The API key of the tenant `local`, made on the first start and kept (mode 600) in the data directory."""
-    from api import store
+    from sluice.api import store
 
     if path.exists():
         key = path.read_text().strip()

@@ -15,7 +15,7 @@ import sys
 import threading
 from functools import partial
 
-from worker.cli import (
+from sluice.worker.cli.common import (
     UsageError,
     add_engine_args,
     load_engine,
@@ -27,7 +27,7 @@ from worker.cli import (
 )
 
 
-def add_worker_parser(commands) -> None:
+def add_parsers(commands) -> None:
     parser = commands.add_parser("worker", help="run a GPU worker on the queue of its model")
     add_engine_args(parser)
     ops = parser.add_argument_group("worker")
@@ -63,13 +63,13 @@ def worker_command(args: argparse.Namespace) -> int:
     require_engine()
     from sqlalchemy.exc import SQLAlchemyError
 
-    from api import db, store
-    from api.queue import chunk_size, model_queue, reconcile_seconds
+    from sluice.api import db, store
+    from sluice.api.queue import chunk_size, model_queue, reconcile_seconds
 
     read_settings(chunk_size, store.gpu_hour_cost, reconcile_seconds)  # before worker.celery_app reads the last
-    from worker.celery_app import app
-    from worker.engine.config import EngineConfig
-    from worker.gpu_worker import GpuWorker, WorkerSettings
+    from sluice.worker.celery_app import app
+    from sluice.worker.engine.config import EngineConfig
+    from sluice.worker.gpu_worker import GpuWorker, WorkerSettings
 
     if args.engine_threads is not None and args.engine_threads < 1:
         raise UsageError(f"--engine-threads must be at least 1, got {args.engine_threads}")
@@ -98,7 +98,7 @@ def worker_command(args: argparse.Namespace) -> int:
 
 def default_concurrency(max_num_seqs: int) -> int:
     """Chunks run at once: enough to fill max_num_seqs twice over."""
-    from api.queue import chunk_size
+    from sluice.api.queue import chunk_size
 
     return 2 * -(-max_num_seqs // chunk_size())
 
@@ -111,7 +111,7 @@ def serve_queues(worker, app, queues: list[str], loglevel: str, prefix: str, con
     from celery.exceptions import Reject
     from celery.signals import worker_ready, worker_shutting_down
 
-    from worker import gpu_worker
+    from sluice.worker import gpu_worker
 
     interrupted = []  # Ctrl-C came once
 

@@ -1,0 +1,1 @@
+"""Alembic migrations of the store (api/tables metadata); `sluice db upgrade` applies them."""
