@@ -26,12 +26,12 @@ def database_url() -> str:
 
 def make_engine(url: str | None = None, *, pre_ping: bool = True, pool_size: int | None = None) -> Engine:
     """`pre_ping=False` for a caller that retries a transaction whose connection turns out dead (the GPU worker's
-    _db): the ping is a round trip on every checkout, two for every chunk of requests. `pool_size`: PostgreSQL
+    db): the ping is a round trip on every checkout, two for every chunk of requests. `pool_size`: PostgreSQL
     connections kept open (SQLAlchemy's default 5), for a process with more threads in transactions at once: past
-    it, each connection is opened for one use and closed, a new server process every time (0.2-0.3 CPU-s of a
-    queue bench run), and psycopg's prepared statements are lost with it."""
+    it, each connection is opened for one use and closed, a new server process every time, and psycopg's prepared
+    statements are lost with it."""
     url = make_url(url or database_url())
-    # the drivers' own executemany wrote a batch's 50,000 request rows 1.5-2.5x faster than SQLAlchemy's pages of
+    # the drivers' own executemany wrote a batch's request rows faster than SQLAlchemy's pages of
     # multi-row VALUES, whose long SQL psycopg parses again for every page (bulk rows now go by COPY on PostgreSQL,
     # store.insert_rows; the other multi-row inserts, and SQLite's, still take this path)
     if url.get_backend_name() != "sqlite":

@@ -13,8 +13,8 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 from starlette.routing import Match
 
-from sluice.api.schemas import readable
 from sluice.api.store import Conflict, InvalidInput, NotFound, StoreError
+from sluice.api.text import readable
 
 VALIDATION_CODES = {"missing": "missing_required_parameter", "extra_forbidden": "unknown_parameter"}
 VALIDATION_DETAILS = {"missing": "required field is missing", "extra_forbidden": "unknown field"}

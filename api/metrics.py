@@ -22,8 +22,8 @@ from redis.exceptions import RedisError
 
 from sluice.api import store
 from sluice.api.deps import Services
-from sluice.api.models import Result
 from sluice.api.queue import model_queue, queue_depth
+from sluice.api.tables import Result
 
 TTFT_BOUNDS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0, 1800.0)
 E2E_BOUNDS = (0.3, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0, 7200.0)

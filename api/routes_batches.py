@@ -19,9 +19,9 @@ from sluice.api.auth import CallerDep, hold_key
 from sluice.api.deps import ServicesDep
 from sluice.api.dispatch import dispatch
 from sluice.api.errors import ApiError, ErrorResponse
-from sluice.api.models import Batch
-from sluice.api.objects import BatchList, BatchObject, EfficiencyReport, EfficiencyWindowObject, ResultPage
+from sluice.api.rest_objects import BatchList, BatchObject, EfficiencyReport, EfficiencyWindowObject, ResultPage
 from sluice.api.settings import Settings
+from sluice.api.tables import Batch
 
 router = APIRouter(prefix="/v1/batches", tags=["batches"])
 END_TIMES = ("completed_at", "failed_at", "cancelled_at", "expired_at")

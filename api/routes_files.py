@@ -23,9 +23,9 @@ from sluice.api.auth import CallerDep, hold_key
 from sluice.api.body_guard import Limit
 from sluice.api.deps import ServicesDep
 from sluice.api.errors import ApiError, ErrorResponse
-from sluice.api.models import File as FileRow
-from sluice.api.objects import FileDeleted, FileList, FileObject
+from sluice.api.rest_objects import FileDeleted, FileList, FileObject
 from sluice.api.store.views import keep_file_bytes, kept_file_bytes
+from sluice.api.tables import File as FileRow
 
 router = APIRouter(prefix="/v1/files", tags=["files"])
 STREAM_LINES = 1000

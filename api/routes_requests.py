@@ -16,7 +16,7 @@ from sluice.api import store
 from sluice.api.auth import CallerDep, hold_key
 from sluice.api.deps import ServicesDep
 from sluice.api.dispatch import dispatch
-from sluice.api.objects import RequestObject
+from sluice.api.rest_objects import RequestObject
 from sluice.api.routes_batches import require_known_model
 
 router = APIRouter(prefix="/v1/requests", tags=["requests"])

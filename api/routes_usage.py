@@ -12,7 +12,7 @@ from sluice.api import store
 from sluice.api.auth import CallerDep
 from sluice.api.deps import ServicesDep
 from sluice.api.errors import ApiError
-from sluice.api.objects import UsageReport, UsageRow, UsageTotals
+from sluice.api.rest_objects import UsageReport, UsageRow, UsageTotals
 
 router = APIRouter(prefix="/v1/usage", tags=["usage"])
 SUMMED = ("requests", "prompt_tokens", "cached_tokens", "completion_tokens", "gpu_seconds", "cost")

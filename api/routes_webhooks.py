@@ -16,8 +16,7 @@ from sluice.api import store
 from sluice.api.auth import CallerDep, hold_key
 from sluice.api.deps import ServicesDep
 from sluice.api.errors import ApiError
-from sluice.api.models import WebhookDelivery, WebhookEndpoint
-from sluice.api.objects import (
+from sluice.api.rest_objects import (
     WebhookDeliveryList,
     WebhookDeliveryObject,
     WebhookEndpointDeleted,
@@ -25,6 +24,7 @@ from sluice.api.objects import (
     WebhookEndpointObject,
     WebhookEndpointWithSecret,
 )
+from sluice.api.tables import WebhookDelivery, WebhookEndpoint
 from sluice.api.webhooks import UrlRefused, check_url
 
 router = APIRouter(prefix="/v1/webhook_endpoints", tags=["webhooks"])

@@ -33,9 +33,9 @@ from celery import Celery
 from sqlalchemy import update
 from sqlalchemy.orm import Session, sessionmaker
 
-from sluice.api.models import WebhookDelivery, WebhookEndpoint
 from sluice.api.queue import DELIVER_WEBHOOK
-from sluice.api.schemas import storable
+from sluice.api.tables import WebhookDelivery, WebhookEndpoint
+from sluice.api.text import storable
 
 FIRST_DELAY = 5.0
 MAX_DELAY = 3600.0

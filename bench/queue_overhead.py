@@ -25,7 +25,7 @@ from pathlib import Path
 import redis
 from sqlalchemy import create_engine, func, select, text
 
-from sluice.api import db, models, store
+from sluice.api import db, store, tables
 from sluice.api.queue import chunk_size, make_app, publish_chunks
 from sluice.worker.cpus import pin_threads, split_cpus
 
@@ -97,7 +97,7 @@ def worker_steps(sessions, start: float, end: float) -> dict:
     of the measured span [start, end] (wall-clock times), its offset from start, its busy fraction and its mean
     running sequences."""
     with sessions.begin() as s:
-        rows = s.query(models.EfficiencyWindow).order_by(models.EfficiencyWindow.window_start).all()
+        rows = s.query(tables.EfficiencyWindow).order_by(tables.EfficiencyWindow.window_start).all()
     steps = sum(w.steps for w in rows)
     timeline = [(w.window_start - start, w.busy_seconds / (w.window_end - w.window_start), w.mean_running_seqs)
                 for w in rows if w.window_end > start and w.window_start < end and w.window_end > w.window_start]
@@ -224,7 +224,7 @@ def through_the_queue(url: str, model: str, requests: list[dict], producers: int
         sent = collect(replies, worker, procs, 600)
         batch_ids, messages = [b for ids, _ in sent for b in ids], sum(n for _, n in sent)
         submitted = time.perf_counter() - start
-        completed = select(func.count()).where(models.Batch.id.in_(batch_ids), models.Batch.status == "completed")
+        completed = select(func.count()).where(tables.Batch.id.in_(batch_ids), tables.Batch.status == "completed")
         while True:  # a cheap poll, one query: the bench must not steal the CPU it measures
             with sessions.begin() as s:
                 if s.scalar(completed) == len(batch_ids):

@@ -3,7 +3,7 @@
 from alembic import context
 
 from sluice.api import db
-from sluice.api.models import Base
+from sluice.api.tables import Base
 
 
 def run_migrations(connection) -> None:

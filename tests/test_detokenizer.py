@@ -8,7 +8,7 @@ import random
 from tokenizers import Tokenizer, decoders, models, normalizers, processors
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from sluice.api.schemas import text_completion
+from sluice.api.results import text_completion
 from sluice.worker.engine import RequestOutput, detokenizer
 from sluice.worker.engine.detokenizer import TokenText
 from sluice.worker.engine.outputs import RequestMetrics

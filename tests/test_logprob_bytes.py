@@ -11,7 +11,7 @@ from test_detokenizer import byte_fallback_tokenizer
 from tokenizers import decoders
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-from sluice.api.schemas import chat_completion
+from sluice.api.results import chat_completion
 from sluice.worker.engine import LLM, RequestOutput, SamplingParams
 from sluice.worker.engine.demo import build_checkpoint
 from sluice.worker.engine.sampler import sample

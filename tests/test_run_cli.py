@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from sluice.api.schemas import CHAT_URL, COMPLETIONS_URL
+from sluice.api.batch_lines import CHAT_URL, COMPLETIONS_URL
 from sluice.worker.cli import main
 from sluice.worker.engine import LLM, LLMEngine, SamplingParams
 from sluice.worker.run import QUEUE_DEPTH, finished_ids

@@ -1,24 +1,13 @@
-"""api.schemas on its own: validation, the mapping onto sampling arguments, and the response shapes (no engine)."""
+"""The public formats without an engine: line validation (api.batch_lines), the mapping onto sampling arguments
+(worker.translate) and the response shapes (api.results)."""
 
 from __future__ import annotations
 
 import json
 
-from sluice.api.schemas import (
-    CHAT_URL,
-    COMPLETIONS_URL,
-    BatchRequest,
-    BatchValidator,
-    Generation,
-    LineError,
-    TokenLogprob,
-    chat_completion,
-    chat_messages,
-    error_line,
-    parse_line,
-    sampling_args,
-    text_completion,
-)
+from sluice.api.batch_lines import CHAT_URL, COMPLETIONS_URL, BatchRequest, BatchValidator, LineError, parse_line
+from sluice.api.results import Generation, TokenLogprob, chat_completion, error_line, text_completion
+from sluice.worker.translate import chat_messages, sampling_args
 
 
 def line(custom_id="a", url=COMPLETIONS_URL, **body) -> str:

@@ -17,15 +17,8 @@ from typing import IO
 
 from tqdm import tqdm
 
-from sluice.api.schemas import (
-    BatchRequest,
-    BatchValidator,
-    LineError,
-    error_line,
-    line_error,
-    output_line,
-    response_body,
-)
+from sluice.api.batch_lines import BatchRequest, BatchValidator, LineError, line_error
+from sluice.api.results import error_line, output_line, response_body
 from sluice.worker.engine import LLMEngine, RequestOutput
 from sluice.worker.translate import PromptError, Responses, engine_inputs
 

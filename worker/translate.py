@@ -1,17 +1,25 @@
-"""Between OpenAI request bodies and the engine: prompt tokens and SamplingParams in, response bodies out."""
+"""Between OpenAI request bodies and the engine: prompt tokens and SamplingParams in, Generations out.
+
+The one place a request crosses from api/'s formats (api/batch_lines.py) into engine arguments; api/results.py
+builds the response bodies from the Generations.
+"""
 
 from __future__ import annotations
 
 import re
 import time
 from collections.abc import Callable
+from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-from sluice.api.schemas import CHAT_URL, PROMPT_FIELDS, Body, Generation, TokenLogprob, chat_messages, sampling_args
+from sluice.api.batch_lines import CHAT_URL, PROMPT_FIELDS, Body, ChatBody
+from sluice.api.results import Generation, TokenLogprob
 from sluice.worker.engine import InputProcessor, RequestOutput, RequestRejected, SamplingParams
 from sluice.worker.engine.detokenizer import TokenText, decode, decoder_types
+
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the rest of the context
 
 
 class PromptError(ValueError):
@@ -33,13 +41,33 @@ def engine_inputs(processor: InputProcessor, url: str, body: Body) -> tuple[list
         token_ids = processor.encode(body.prompt)
     try:
         params = SamplingParams(**sampling_args(body, processor.max_request_tokens - len(token_ids)))
-    except ValueError as e:  # the schema's limits match SamplingParams'; never lose the batch if they drift
+    except ValueError as e:  # the body models' limits match SamplingParams'; never lose the batch if they drift
         raise PromptError("invalid_value", str(e), "body") from None
     try:
         processor.check(token_ids, params)
     except RequestRejected as e:
         raise PromptError(e.code, str(e), PROMPT_FIELDS[url]) from None
     return token_ids, params
+
+
+def sampling_args(body: Body, room: int) -> dict[str, Any]:
+    """SamplingParams field values for a valid body; `room` is the context left after the prompt, chat's default
+    max_tokens (at least 1, so that a prompt filling the context is refused by the engine with its own message)."""
+    if isinstance(body, ChatBody):
+        max_tokens = body.max_completion_tokens or body.max_tokens or max(room, 1)
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    else:
+        max_tokens = body.max_tokens or COMPLETION_DEFAULT_MAX_TOKENS
+        logprobs = body.logprobs
+    optional = dict(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p,
+                    seed=body.seed, stop=body.stop, stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos)
+    return {"max_tokens": max_tokens, "logprobs": logprobs, **{k: v for k, v in optional.items() if v is not None}}
+
+
+def chat_messages(body: ChatBody) -> list[dict[str, str]]:
+    """Messages for the tokenizer's chat template; "developer" is OpenAI's newer name for "system"."""
+    return [{"role": "system" if m.role == "developer" else m.role, "content": m.content,
+             **({"name": m.name} if m.name else {})} for m in body.messages]
 
 
 PieceBytes = Callable[[str], bytes | None]

@@ -19,14 +19,15 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from sluice.api.models import Batch, Request, Result
-from sluice.api.schemas import BODIES, BatchRequest, BatchValidator, LineError, line_error, parse_line, valid_unicode
+from sluice.api.batch_lines import BODIES, BatchRequest, BatchValidator, LineError, line_error, parse_line
 from sluice.api.store.common import REQUEST_PREFIX, InvalidInput, error_result, insert_rows, new_id
 from sluice.api.store.files import MAX_FILE_BYTES, file_content, get_file, store_file
 from sluice.api.store.lifecycle import settle
 from sluice.api.store.tenants import get_or_create_tenant
 from sluice.api.store.views import owned_view
 from sluice.api.store.webhooks import notify
+from sluice.api.tables import Batch, Request, Result
+from sluice.api.text import valid_unicode
 
 MAX_LINES = 50_000  # OpenAI's limit of requests per batch
 DEFAULT_PRIORITY = 5

@@ -11,8 +11,8 @@ from sqlalchemy import insert as core_insert
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
-from sluice.api.models import Batch, Request
 from sluice.api.store.ids import IdList, InIds
+from sluice.api.tables import Batch, Request
 
 
 class StoreError(Exception):
@@ -83,7 +83,7 @@ OWNER = bindparam("owner")
 # They name the tables' columns, not the ORM's attributes: a statement naming a mapped class goes through the ORM's
 # statement handling on every execution, which cost about as much as the statement itself (bench/queue_overhead.py)
 REQUESTS, BATCHES = Request.__table__.c, Batch.__table__.c
-# Statuses the requests' partial indexes are over (models.Request), written into the SQL: PostgreSQL uses such an
+# Statuses the requests' partial indexes are over (tables.Request), written into the SQL: PostgreSQL uses such an
 # index only where it sees that the query's status is the index's, which a bound parameter hides from the generic
 # plan of a prepared statement
 QUEUED, RUNNING = literal_column("'queued'"), literal_column("'running'")
@@ -121,8 +121,7 @@ def by_id(ids, *conditions) -> ColumnElement[bool]:
     """The requests named by `ids` (a list or IDS) that meet the conditions, always read through the primary key,
     whatever the planner's statistics say: the conditions go into one CASE expression, which no index can serve.
     With no statistics yet (a batch just inserted), PostgreSQL read the whole batch's status and batch_id index
-    entries for every chunk instead (8-15 ms per statement instead of about 1, most of its CPU in
-    bench/queue_overhead.py)."""
+    entries for every chunk instead, many times the primary key's cost (most of its CPU in bench/queue_overhead.py)."""
     named = InIds(REQUESTS.id, ids) if ids is IDS else REQUESTS.id.in_(ids)
     return and_(named, case((and_(*conditions), True), else_=False))
 

@@ -7,9 +7,9 @@ import time
 from sqlalchemy import LargeBinary, func, select
 from sqlalchemy.orm import Session
 
-from sluice.api.models import File, FileContent
 from sluice.api.store.common import InvalidInput, NotFound, new_id
 from sluice.api.store.ids import findable
+from sluice.api.tables import File, FileContent
 
 MAX_FILE_BYTES = 200 * 1024 * 1024  # OpenAI's limit for batch input files
 PURPOSES = ("batch",)

@@ -15,7 +15,6 @@ from typing import Any
 from sqlalchemy import Connection, bindparam, select
 from sqlalchemy.orm import Session
 
-from sluice.api.models import Result
 from sluice.api.store.common import (
     BATCHES,
     IDS,
@@ -33,6 +32,7 @@ from sluice.api.store.common import (
 from sluice.api.store.lifecycle import USAGE, count_and_settle, settle
 from sluice.api.store.recovery import MAX_ATTEMPTS
 from sluice.api.store.usage import cost, gpu_hour_cost
+from sluice.api.tables import Result
 
 ACCEPTING = ("in_progress", "cancelling")  # batches whose running requests may still finish
 EXPIRES = bindparam("expires")

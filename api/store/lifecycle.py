@@ -13,7 +13,6 @@ import time
 from sqlalchemy import bindparam, exists, select, update
 from sqlalchemy.orm import Session
 
-from sluice.api.models import Batch, Request, Result
 from sluice.api.store.common import (
     BATCHES,
     NOW,
@@ -26,6 +25,7 @@ from sluice.api.store.common import (
     lock_batches,
 )
 from sluice.api.store.webhooks import notify
+from sluice.api.tables import Batch, Request, Result
 
 EXPIRED_MESSAGE = "this request could not be executed before the completion window expired"
 EXPIRED_STATUS_CODE = 408

@@ -12,10 +12,10 @@ from typing import Literal
 from sqlalchemy import Select, and_, delete, or_, select
 from sqlalchemy.orm import Session
 
-from sluice.api.models import Batch, DeletedFile, File
 from sluice.api.store.common import REQUEST_PREFIX, InvalidInput, NotFound
 from sluice.api.store.files import get_file
 from sluice.api.store.ids import findable
+from sluice.api.tables import Batch, DeletedFile, File
 
 Order = Literal["asc", "desc"]
 

@@ -12,9 +12,9 @@ from __future__ import annotations
 from sqlalchemy import case, func, or_, select
 from sqlalchemy.orm import Session
 
-from sluice.api.models import Batch, EfficiencyWindow, Request, Result
 from sluice.api.store.common import INDEXED_STATUSES
 from sluice.api.store.workers import live_workers
+from sluice.api.tables import Batch, EfficiencyWindow, Request, Result
 
 HAS_MODEL = Batch.model != ""  # a batch whose every line failed validation may have none
 

@@ -14,10 +14,10 @@ from collections import defaultdict
 from sqlalchemy import Row, or_, select, update
 from sqlalchemy.orm import Session
 
-from sluice.api.models import Batch, Request, Result
 from sluice.api.store.batches import Work
 from sluice.api.store.common import QUEUED, batch_in, error_result, insert, lease_expired, lock_batches
 from sluice.api.store.lifecycle import count_and_settle, settle
+from sluice.api.tables import Batch, Request, Result
 
 MAX_ATTEMPTS = 3  # workers that died running a request this many times: fail it rather than kill a fourth
 WORKER_LOST_STATUS_CODE = 500

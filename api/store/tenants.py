@@ -10,8 +10,8 @@ import time
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
-from sluice.api.models import ApiKey, Tenant
 from sluice.api.store.common import InvalidInput, NotFound, insert, new_id
+from sluice.api.tables import ApiKey, Tenant
 
 DEFAULT_TENANT = "local"  # who owns what the CLI submits when no --tenant is given
 KEY_PREFIX = "sk-sluice-"

@@ -10,7 +10,7 @@ from sqlalchemy import Integer, cast, func, select
 from sqlalchemy.orm import Session
 
 from sluice.api.env import float_setting
-from sluice.api.models import Batch, Request, Result
+from sluice.api.tables import Batch, Request, Result
 
 DAY_SECONDS = 86_400
 

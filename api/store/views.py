@@ -2,7 +2,7 @@
 results in the order they finished, and a single request with its result.
 
 The files are views: they exist as soon as a batch has a result of their kind, grow while it runs (partial
-downloads), and are ordered by input line, in the line format of `sluice run` (api.schemas.output_line/error_line).
+downloads), and are ordered by input line, in the line format of `sluice run` (api.results.output_line/error_line).
 """
 
 from __future__ import annotations
@@ -14,12 +14,13 @@ from contextlib import suppress
 from sqlalchemy import select, tuple_, update
 from sqlalchemy.orm import Session
 
-from sluice.api.models import Batch, Request, Result
-from sluice.api.schemas import LineError, error_line, output_line
+from sluice.api.batch_lines import LineError
+from sluice.api.results import error_line, output_line
 from sluice.api.store.common import BATCHES, REQUEST_PREFIX, InvalidInput, NotFound
 from sluice.api.store.ids import findable
 from sluice.api.store.usage import batch_usage
 from sluice.api.store.workers import live_workers
+from sluice.api.tables import Batch, Request, Result
 
 OUTPUT_PREFIX, ERROR_PREFIX = "file-out-", "file-err-"
 STREAM_ROWS = 500

@@ -14,10 +14,10 @@ from urllib.parse import urlsplit
 from sqlalchemy import delete, func, select, update
 from sqlalchemy.orm import Session
 
-from sluice.api.models import Tenant, WebhookDelivery, WebhookEndpoint
 from sluice.api.store.common import REQUEST_PREFIX, InvalidInput, NotFound, new_id
 from sluice.api.store.ids import findable
 from sluice.api.store.listing import page
+from sluice.api.tables import Tenant, WebhookDelivery, WebhookEndpoint
 
 EVENTS = ("batch.completed", "batch.failed", "batch.cancelled", "batch.expired")
 OUTBOX_KEY = "sluice.new_deliveries"

@@ -7,8 +7,8 @@ import time
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from sluice.api.models import EfficiencyWindow, Worker
 from sluice.api.store.common import insert
+from sluice.api.tables import EfficiencyWindow, Worker
 
 LIVE_SECONDS = 60.0  # a worker that has not beaten for this long counts as gone
 # starting: the engine is built but the worker does not consume its queue yet (not live: nothing would run)

@@ -7,9 +7,9 @@ import json
 from sqlalchemy import select
 
 from sluice.api import store
-from sluice.api.models import Request
-from sluice.api.schemas import CHAT_URL
+from sluice.api.batch_lines import CHAT_URL
 from sluice.api.settings import Settings
+from sluice.api.tables import Request
 
 MODEL = "tiny"
 TEST_SETTINGS = Settings(max_file_bytes=100_000, max_batch_lines=50, models=(MODEL,))  # small, to test the limits

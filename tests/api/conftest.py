@@ -2,7 +2,7 @@
 
 Fixtures others can reuse (the end-to-end tests with a real worker); tests/servers.py's `serve_app(app)` serves any
 app this way:
-  api_database   session: the URL of a migrated PostgreSQL database of this session's own
+  api_database   session: the URL of a migrated PostgreSQL database of the test run's own
   api_broker     session: (URL, redis client) of Redis db 13, flushed
   api            function: an `Api` (url, sessions, celery, redis) over emptied tables and queues, served by one
                  uvicorn per session with TEST_SETTINGS
@@ -22,9 +22,9 @@ from servers import serve_app
 from sqlalchemy import text
 
 from sluice.api import db, store
-from sluice.api.models import Base
 from sluice.api.queue import make_app
 from sluice.api.server import create_app
+from sluice.api.tables import Base
 
 REDIS_DB = 13
 

@@ -12,8 +12,8 @@ import pytest
 from api_helpers import chat, finish, jsonl, request_ids
 
 from sluice.api import store
-from sluice.api.models import EfficiencyWindow
 from sluice.api.queue import model_queue, queue_depth
+from sluice.api.tables import EfficiencyWindow
 
 
 def upload(client, lines) -> str:

@@ -18,7 +18,7 @@ from sqlalchemy import select, update
 
 import sluice.api.client
 from sluice.api.client import MAX_WAIT, Client, SluiceError, text_of
-from sluice.api.models import Request, Result
+from sluice.api.tables import Request, Result
 
 
 def finish_in_rounds(api, batch_id: str, rounds: int, failed_every: int = 0) -> threading.Thread:

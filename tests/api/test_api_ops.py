@@ -14,10 +14,10 @@ from api_helpers import TEST_SETTINGS, chat, finish, jsonl, request_ids
 from servers import serve_app
 
 from sluice.api import db, store
-from sluice.api.models import EfficiencyWindow
 from sluice.api.queue import make_app
 from sluice.api.server import create_app
 from sluice.api.settings import Settings
+from sluice.api.tables import EfficiencyWindow
 
 METRICS = ("sluice:num_requests_running", "sluice:num_requests_waiting", "sluice:kv_cache_usage_perc",
            "sluice:prompt_tokens_total", "sluice:generation_tokens_total", "sluice:time_to_first_token_seconds",

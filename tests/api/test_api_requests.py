@@ -9,8 +9,8 @@ import pytest
 from api_helpers import chat, finish
 from sqlalchemy import select
 
-from sluice.api.models import Request
 from sluice.api.queue import model_queue, queue_depth
+from sluice.api.tables import Request
 
 
 def test_a_single_request_is_queued_published_and_answered(api, tenant_key):

@@ -16,10 +16,10 @@ from servers import serve_app
 from sqlalchemy import select
 
 from sluice.api import db, webhooks
-from sluice.api.models import WebhookDelivery
 from sluice.api.queue import make_app
 from sluice.api.server import create_app
 from sluice.api.store.webhooks import MAX_ENDPOINTS, MAX_URL_CHARS
+from sluice.api.tables import WebhookDelivery
 from sluice.api.webhooks import ERROR_CHARS, deliver
 
 LIMIT = TEST_SETTINGS.max_file_bytes

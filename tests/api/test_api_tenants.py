@@ -10,7 +10,7 @@ from api_helpers import chat, finish, jsonl, request_ids
 from sqlalchemy import select
 from sqlalchemy.exc import OperationalError
 
-from sluice.api.models import ApiKey
+from sluice.api.tables import ApiKey
 from sluice.worker.cli import main
 
 

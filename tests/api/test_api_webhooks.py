@@ -18,7 +18,7 @@ from servers import Receiver
 from sqlalchemy import select, update
 
 from sluice.api import store, webhooks
-from sluice.api.models import WebhookDelivery
+from sluice.api.tables import WebhookDelivery
 from sluice.api.webhooks import GIVE_UP_AFTER, deliver, publish_deliveries
 from sluice.worker.reconcile import reconcile_once
 

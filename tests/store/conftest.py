@@ -1,4 +1,4 @@
-"""Databases for the store tests: a PostgreSQL database of this session's own (dropped at the end) and a SQLite
+"""Databases for the store tests: a PostgreSQL database of the test run's own (dropped at the end) and a SQLite
 file, both migrated with `api.db.upgrade`; `engine` runs a test on each, emptied first. Redis db 11, flushed."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from databases import postgres_database, redis_db
 from sqlalchemy import text
 
 from sluice.api import db
-from sluice.api.models import Base
+from sluice.api.tables import Base
 
 REDIS_DB = 11
 

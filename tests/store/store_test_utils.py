@@ -6,7 +6,7 @@ import base64
 import json
 
 from sluice.api import store
-from sluice.api.schemas import CHAT_URL, COMPLETIONS_URL
+from sluice.api.batch_lines import CHAT_URL, COMPLETIONS_URL
 
 MODEL = "tiny"
 
@@ -55,7 +55,7 @@ def batch_row(sessions, batch_id: str):
 def statuses(sessions, batch_id: str) -> dict[int, str]:
     from sqlalchemy import select
 
-    from sluice.api.models import Request
+    from sluice.api.tables import Request
 
     with sessions.begin() as session:
         return dict(session.execute(select(Request.id, Request.status).where(Request.batch_id == batch_id)).all())

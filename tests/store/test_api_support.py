@@ -11,7 +11,7 @@ from store_test_utils import chat, jsonl, ok, submit
 from test_leases import claim, write
 
 from sluice.api import store
-from sluice.api.models import Batch, File, FileContent, Request, Result, WebhookDelivery
+from sluice.api.tables import Batch, File, FileContent, Request, Result, WebhookDelivery
 
 
 def test_file_pages_are_ordered_with_a_cursor(sessions):

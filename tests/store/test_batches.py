@@ -11,8 +11,8 @@ from sqlalchemy import func, select
 from store_test_utils import MODEL, batch_row, chat, completion, jsonl, read_chunks, submit
 
 from sluice.api import queue, store
-from sluice.api.models import Request, Result, WebhookDelivery
-from sluice.api.schemas import BODIES, CHAT_URL, COMPLETIONS_URL
+from sluice.api.batch_lines import BODIES, CHAT_URL, COMPLETIONS_URL
+from sluice.api.tables import Request, Result, WebhookDelivery
 
 
 def counts(sessions, batch_id: str) -> tuple[int, int]:

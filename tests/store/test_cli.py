@@ -15,7 +15,7 @@ from sqlalchemy import select
 from store_test_utils import chat, jsonl, ok, read_chunks
 
 from sluice.api import store
-from sluice.api.models import ApiKey, Batch
+from sluice.api.tables import ApiKey, Batch
 from sluice.worker.cli import main
 
 
@@ -260,7 +260,7 @@ def test_an_unmigrated_database_is_named(tmp_path, monkeypatch, capsys):
 
 
 def test_api_and_the_cli_parser_import_no_torch():
-    check = ("import sys, sluice.api.db, sluice.api.models, sluice.api.queue, sluice.api.store, sluice.worker.cli; "
+    check = ("import sys, sluice.api.db, sluice.api.tables, sluice.api.queue, sluice.api.store, sluice.worker.cli; "
              "sluice.worker.cli.build_parser(); "
              "assert not {'torch', 'sluice.worker.engine'} & set(sys.modules), sorted(sys.modules)")
     subprocess.run([sys.executable, "-c", check], check=True, capture_output=True)

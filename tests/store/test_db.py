@@ -1,4 +1,4 @@
-"""Database setup: SQLite connections as the store needs them, migrations that build exactly the tables api.models
+"""Database setup: SQLite connections as the store needs them, migrations that build exactly the tables api.tables
 declares (on PostgreSQL and SQLite), and `sluice db upgrade`."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from databases import postgres_database
 from sqlalchemy import inspect, text
 
 from sluice.api import db
-from sluice.api.models import Base
+from sluice.api.tables import Base
 from sluice.worker.cli import main
 
 
@@ -144,7 +144,7 @@ def test_the_results_migration_names_stored_results_batch_and_line_and_downgrade
 
 @pytest.mark.parametrize("dialect", ["postgresql", "sqlite"])
 def test_the_requests_status_indexes_hold_only_running_and_queued_requests_and_downgrade(dialect, tmp_path):
-    """Migration 0005: the reconciler's indexes are partial, as api.models declares them (autogenerate compares an
+    """Migration 0005: the reconciler's indexes are partial, as api.tables declares them (autogenerate compares an
     index's columns, not its WHERE); its downgrade brings back the full ones."""
     def requests_indexes(engine) -> dict[str, tuple[list, str | None]]:
         found = {}

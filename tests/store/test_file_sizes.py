@@ -13,11 +13,11 @@ from test_leases import claim, run_together, write
 from test_lifecycle import claim_and_die, expire_now
 
 from sluice.api import store
-from sluice.api.models import Batch
 from sluice.api.queue import make_app
 from sluice.api.server import create_app
 from sluice.api.settings import Settings
 from sluice.api.store.recovery import MAX_ATTEMPTS
+from sluice.api.tables import Batch
 
 TEXT = "日本語の答え ✓ — naïve café 😀"  # three- and four-byte UTF-8: a count of characters would fall short
 

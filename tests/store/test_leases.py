@@ -11,7 +11,7 @@ from sqlalchemy import event, func, select, text
 from store_test_utils import batch_row, chat, failed, ok, statuses, submit
 
 from sluice.api import store
-from sluice.api.models import Request, Result, WebhookDelivery
+from sluice.api.tables import Request, Result, WebhookDelivery
 
 
 def run_together(*calls):

@@ -13,7 +13,7 @@ from store_test_utils import batch_row, chat, ok, statuses, submit
 from test_leases import claim, endpoint, run_together, write
 
 from sluice.api import store
-from sluice.api.models import Batch, Request, Result, WebhookDelivery
+from sluice.api.tables import Batch, Request, Result, WebhookDelivery
 
 
 def events(sessions) -> list[str]:

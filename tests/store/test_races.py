@@ -13,8 +13,8 @@ from sqlalchemy import select, text, update
 from store_test_utils import batch_row, chat, ok, statuses, submit
 
 from sluice.api import store
-from sluice.api.models import Request, WebhookDelivery
 from sluice.api.store.recovery import MAX_ATTEMPTS
+from sluice.api.tables import Request, WebhookDelivery
 
 pytestmark = pytest.mark.parametrize("engine", ["postgresql"], indirect=True)
 WAITING = text("SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'")

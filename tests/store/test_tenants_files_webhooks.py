@@ -8,7 +8,7 @@ import pytest
 from sqlalchemy import select
 
 from sluice.api import store
-from sluice.api.models import ApiKey, File, FileContent
+from sluice.api.tables import ApiKey, File, FileContent
 
 
 def test_keys_are_shown_once_stored_hashed_and_revocable(sessions):

@@ -12,8 +12,8 @@ from store_test_utils import chat, failed, ok, submit
 from test_leases import claim, write
 
 from sluice.api import store
-from sluice.api.models import EfficiencyWindow, Request, Result, Worker
 from sluice.api.store.workers import LIVE_SECONDS
+from sluice.api.tables import EfficiencyWindow, Request, Result, Worker
 
 
 def view(sessions, batch_id):

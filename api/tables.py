@@ -159,7 +159,7 @@ class Request(Base):
     line: Mapped[int]
     custom_id: Mapped[str | None] = mapped_column(Text)  # null on invalid lines: their error keeps what was given
     url: Mapped[str | None] = mapped_column(String(64))
-    body: Mapped[dict[str, Any] | None]  # the validated body, as api.schemas dumps it
+    body: Mapped[dict[str, Any] | None]  # the validated body, as api.batch_lines dumps it
     status: Mapped[str] = mapped_column(String(16))
     attempts: Mapped[int]
     lease_owner: Mapped[str | None] = mapped_column(String(255))
@@ -173,7 +173,7 @@ class Result(Base):
 
     batch_id and line repeat its request's, so that a batch's results page in finishing order (api.store.views
     .result_page) reads ix_results_batch_finished_line from its cursor on, instead of sorting all the batch's results
-    for every page (75-200 ms for 50,000); no foreign key: the request's already ties the row to its batch."""
+    for every page; no foreign key: the request's already ties the row to its batch."""
 
     __tablename__ = "results"
     __table_args__ = (Index("ix_results_batch_finished_line", "batch_id", "finished_at", "line"),)

@@ -1,4 +1,4 @@
-"""The public formats: OpenAI batch input lines and bodies, and the output and error lines made from results.
+"""The request formats: OpenAI batch input lines and their bodies, validated line by line into requests or errors.
 
 Bodies accept OpenAI's documented fields for /v1/chat/completions and /v1/completions plus four sluice extensions
 named as vLLM names them (top_k, min_p, ignore_eos, stop_token_ids). An unknown field, a wrong type or an
@@ -16,20 +16,18 @@ from __future__ import annotations
 
 import json
 import re
-import uuid
 from dataclasses import dataclass
-from itertools import accumulate
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
+from sluice.api.text import readable, valid_unicode
+
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
 PROMPT_FIELDS = {CHAT_URL: "body.messages", COMPLETIONS_URL: "body.prompt"}
-COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the rest of the context
-SURROGATE = re.compile("[\ud800-\udfff]")  # code points UTF-8 cannot encode; a str holds them only unpaired
-SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")  # a JSON escape of one
+SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")  # a JSON escape of a surrogate code point
 
 
 def _unsupported(detail: str) -> PydanticCustomError:
@@ -226,22 +224,6 @@ def line_error(line: int, code: str, detail: str, custom_id: str | None = None, 
     return LineError(line, code, where + detail, custom_id, param)
 
 
-def valid_unicode(text: str) -> bool:
-    """Whether UTF-8 (and so PostgreSQL, JSON and HTTP) can hold the text: no surrogate code point, which a lone
-    \\uD800-\\uDFFF escape in JSON gives."""
-    return SURROGATE.search(text) is None
-
-
-def storable(text: str) -> bool:
-    """Whether PostgreSQL text can hold it: valid Unicode and no NUL (a query binding either fails)."""
-    return "\x00" not in text and valid_unicode(text)
-
-
-def readable(text: str) -> str:
-    """The text with any surrogate code point written as its escape, so that it can be stored and shown."""
-    return text.encode("utf-8", "backslashreplace").decode()
-
-
 def line_text(raw: str | bytes) -> str:
     """A line's text: its bytes must be UTF-8 (the first line may start with a BOM), else UnicodeDecodeError;
     json.loads of the bytes would also take UTF-16 and encoded surrogates."""
@@ -329,116 +311,3 @@ def _validation_error(error: ValidationError, line: int, custom_id: str | None, 
     return LineError(line, code, f"line {line}: " + "; ".join(described), custom_id, param)
 
 
-def sampling_args(body: Body, room: int) -> dict[str, Any]:
-    """SamplingParams field values for a valid body; `room` is the context left after the prompt, chat's default
-    max_tokens (at least 1, so that a prompt filling the context is refused by the engine with its own message)."""
-    if isinstance(body, ChatBody):
-        max_tokens = body.max_completion_tokens or body.max_tokens or max(room, 1)
-        logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    else:
-        max_tokens = body.max_tokens or COMPLETION_DEFAULT_MAX_TOKENS
-        logprobs = body.logprobs
-    optional = dict(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p,
-                    seed=body.seed, stop=body.stop, stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos)
-    return {"max_tokens": max_tokens, "logprobs": logprobs, **{k: v for k, v in optional.items() if v is not None}}
-
-
-def chat_messages(body: ChatBody) -> list[dict[str, str]]:
-    """Messages for the tokenizer's chat template; "developer" is OpenAI's newer name for "system"."""
-    return [{"role": "system" if m.role == "developer" else m.role, "content": m.content,
-             **({"name": m.name} if m.name else {})} for m in body.messages]
-
-
-@dataclass
-class TokenLogprob:
-    token: str
-    logprob: float
-    top: list[tuple[str, float]]
-    # the raw UTF-8 bytes of the token and of each top entry, which a token's text lacks when it is part of a
-    # multi-byte character (its text is then U+FFFD); None where unknown: the text's bytes stand in
-    token_bytes: bytes | None = None
-    top_bytes: list[bytes | None] | None = None
-
-
-@dataclass
-class Generation:
-    """A finished request in engine-neutral terms: what the response builders need."""
-
-    text: str
-    finish_reason: str
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int
-    created: int
-    logprobs: list[TokenLogprob] | None = None
-
-
-def _new_id(prefix: str) -> str:
-    return prefix + uuid.uuid4().hex
-
-
-def _usage(gen: Generation) -> dict:
-    return {"prompt_tokens": gen.prompt_tokens, "completion_tokens": gen.completion_tokens,
-            "total_tokens": gen.prompt_tokens + gen.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": gen.cached_tokens}}
-
-
-def _token_entry(token: str, logprob: float, raw: bytes | None) -> dict:
-    return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8") if raw is None else raw)}
-
-
-def _content_entry(lp: TokenLogprob) -> dict:
-    top_bytes = lp.top_bytes if lp.top_bytes is not None else [None] * len(lp.top)
-    return {**_token_entry(lp.token, lp.logprob, lp.token_bytes),
-            "top_logprobs": [_token_entry(t, v, raw) for (t, v), raw in zip(lp.top, top_bytes, strict=True)]}
-
-
-def chat_completion(gen: Generation, model: str) -> dict:
-    logprobs = None
-    if gen.logprobs is not None:
-        logprobs = {"content": [_content_entry(lp) for lp in gen.logprobs], "refusal": None}
-    return {
-        "id": _new_id("chatcmpl-"), "object": "chat.completion", "created": gen.created, "model": model,
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": gen.text, "refusal": None},
-                     "logprobs": logprobs, "finish_reason": gen.finish_reason}],
-        "usage": _usage(gen),
-    }
-
-
-def _top_with_sampled(lp: TokenLogprob) -> dict[str, float]:
-    """OpenAI's completions always list the sampled token too: up to logprobs + 1 entries."""
-    return {**dict(lp.top), lp.token: lp.logprob}
-
-
-def text_completion(gen: Generation, model: str) -> dict:
-    logprobs = None
-    if gen.logprobs is not None:
-        tokens = [lp.token for lp in gen.logprobs]
-        offsets = list(accumulate(map(len, tokens), initial=0))[:-1]  # into the completion's text
-        logprobs = {"tokens": tokens, "token_logprobs": [lp.logprob for lp in gen.logprobs],
-                    "top_logprobs": [_top_with_sampled(lp) for lp in gen.logprobs], "text_offset": offsets}
-    return {
-        "id": _new_id("cmpl-"), "object": "text_completion", "created": gen.created, "model": model,
-        "choices": [{"text": gen.text, "index": 0, "logprobs": logprobs, "finish_reason": gen.finish_reason}],
-        "usage": _usage(gen),
-    }
-
-
-RESPONSE_BUILDERS = {CHAT_URL: chat_completion, COMPLETIONS_URL: text_completion}
-
-
-def response_body(url: str, gen: Generation, model: str) -> dict:
-    return RESPONSE_BUILDERS[url](gen, model)
-
-
-def output_line(custom_id: str, body: dict, line_id: str | None = None, request_id: str | None = None) -> dict:
-    """A line of the output file: a request that succeeded."""
-    return {"id": line_id or _new_id("batch_req_"), "custom_id": custom_id,
-            "response": {"status_code": 200, "request_id": request_id or _new_id("req_"), "body": body},
-            "error": None}
-
-
-def error_line(error: LineError, line_id: str | None = None) -> dict:
-    """A line of the error file: OpenAI's per-request error, plus the batch-error fields `param` and `line`."""
-    return {"id": line_id or _new_id("batch_req_"), "custom_id": error.custom_id, "response": None,
-            "error": {"code": error.code, "message": error.message, "param": error.param, "line": error.line}}
