@@ -3,7 +3,8 @@ bandwidth measured in the same run, then the engine end to end on a random Llama
 
 Needs a CUDA GPU (finishes in about 5 minutes on an H200). `--smoke` runs the same code at toy sizes on the CPU
 under Triton's interpreter (timings meaningless) so the script itself is tested without a GPU.
-Run: python bench/gpu_check.py [--smoke] [--skip-engine]
+Run, with sluice installed (on a host whose torch is already there and no index is reachable:
+`pip install --no-deps --no-build-isolation -e .`): python bench/gpu_check.py [--smoke] [--skip-engine]
 """
 
 from __future__ import annotations
@@ -321,7 +322,6 @@ def main(argv: list[str] | None = None) -> int:
         print("gpu_check: no CUDA GPU is visible (torch.cuda.is_available() is False). This script measures the "
               "Triton kernels and the engine on a GPU; use --smoke to exercise it on the CPU.", file=sys.stderr)
         return 2
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     s, device = (SMOKE, "cpu") if args.smoke else (REAL, "cuda")
     torch.manual_seed(0)
     bench = timer(args.smoke)

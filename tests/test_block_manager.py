@@ -37,6 +37,17 @@ def test_blocks_are_allocated_only_as_the_sequence_grows():
     assert bm.num_free_blocks == 8 and all(b.ref_count == 0 for b in bm.blocks)
 
 
+def test_what_fits_a_sequence_counts_its_own_blocks_and_the_free_ones():
+    bm = BlockManager(4, BS)
+    s = seq(list(range(6)))
+    bm.allocate(s, 6)  # two blocks, two free slots in the second
+    s.num_computed_tokens = 6
+    assert bm.holds(s, 2) and not bm.holds(s, 3)
+    assert bm.tokens_that_fit(s) == 2 + 2 * BS
+    bm.allocate(seq(list(range(8))), 8)
+    assert bm.tokens_that_fit(s) == 2
+
+
 def test_shared_prefix_is_reused_with_reference_counts():
     bm = BlockManager(8, BS)
     a = seq([1, 2, 3, 4, 5, 6, 7, 8, 9])

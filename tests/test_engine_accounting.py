@@ -9,7 +9,8 @@ from multiprocessing import Pipe
 import pytest
 
 from sluice.worker.engine import LLM, LLMEngine, SamplingParams
-from sluice.worker.engine_core import Abort, EngineCore, Report, Stop, Submit
+from sluice.worker.engine_process import EngineCore
+from sluice.worker.engine_protocol import Abort, Report, Stop, Submit
 from sluice.worker.metrics import EngineMetrics
 
 LONG = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
@@ -79,7 +80,7 @@ def test_live_latencies_are_never_negative(core):
                  time.time() + 30)])
     deadline, latencies = time.time() + 30, []
     while not latencies and time.time() < deadline:
-        latencies = [pair for r in reports() if r.step for pair in r.step.latencies]
+        latencies = [pair for r in reports() if r.live for pair in r.live.latencies]
     assert latencies and all(t >= 0 for pair in latencies for t in pair)
 
 
@@ -93,7 +94,7 @@ def test_aborts_in_an_idle_engine_update_the_live_gauges(core):
     def read() -> int:
         nonlocal last
         got = reports()
-        last = next((r.step for r in reversed(got) if r.step), last)
+        last = next((r.live for r in reversed(got) if r.live), last)
         return sum(len(r.cancelled) for r in got)
 
     while (last is None or last.num_running < 3) and time.time() < deadline:

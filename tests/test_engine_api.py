@@ -185,13 +185,14 @@ def test_the_last_layer_runs_only_the_sampled_rows(llm):
         for seq, n in ((decode, 1), (whole, 17), (partial, 20)):
             bm.allocate(seq, n)
         for scheduled, sampled in (([(decode, 1), (whole, 17), (partial, 20)], [decode, whole]), ([(partial, 20)], [])):
-            ids, positions, meta, rows, seqs = runner._prepare(scheduled)
-            assert seqs == sampled  # a prompt cut short by the token budget samples nothing
+            batch = runner.prepare(scheduled)
+            assert batch.sample_seqs == sampled  # a prompt cut short by the token budget samples nothing
             with torch.inference_mode():
-                everything = runner.model(ids, positions, runner.caches, meta)
-                kept = runner.model(ids, positions, runner.caches, meta, keep=rows)
+                everything = runner.model(batch.input_ids, batch.positions, runner.caches, batch.attention)
+                kept = runner.model(batch.input_ids, batch.positions, runner.caches, batch.attention,
+                                    keep=batch.logits_rows)
             assert kept.shape == (len(sampled), everything.shape[1])
-            torch.testing.assert_close(kept, everything[rows], rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(kept, everything[batch.logits_rows], rtol=1e-5, atol=1e-5)
     finally:
         for seq in (decode, whole, partial):
             bm.free(seq)

@@ -1,4 +1,4 @@
-"""Feeds the engine's process (worker/engine_core.py) from many threads: task threads submit requests and wait on
+"""Feeds the engine's process (worker/engine_process.py) from many threads: task threads submit requests and wait on
 futures; one receiver thread resolves them from the engine's reports, feeds the live metrics and hands on the
 efficiency windows. Requests are tokenized and checked here, with an InputProcessor of the engine's own settings,
 so only token ids cross to the engine.
@@ -18,16 +18,18 @@ from concurrent.futures import CancelledError, Future
 from pathlib import Path
 
 from sluice.worker.cpus import pin_threads, split_cpus
+from sluice.worker.efficiency import EfficiencyWindow
 from sluice.worker.engine import InputProcessor, LLMEngine, RequestRejected, SamplingParams
-from sluice.worker.engine_core import Abort, EfficiencyWindow, Failed, Report, StepStats, Stop, Submit, run_engine
+from sluice.worker.engine_process import run_engine
+from sluice.worker.engine_protocol import Abort, Failed, LiveStats, Report, Stop, Submit
 
 log = logging.getLogger(__name__)
 
 
 def default_engine_threads() -> int:
     """Every CPU this process may use but one, which the worker's own threads, database and broker clients need: a
-    CPU engine given them all has its parallel regions stalled whenever the worker runs (on 2 cores, 1.3x slower
-    service throughput on the demo model, bench/queue_overhead.py). A CUDA engine barely uses them."""
+    CPU engine given them all has its parallel regions stalled whenever the worker runs (bench/queue_overhead.py).
+    A CUDA engine barely uses them."""
     return max(1, len(os.sched_getaffinity(0)) - 1)
 
 
@@ -38,7 +40,7 @@ class EngineNotRunning(RuntimeError):
 class EngineBridge:
     def __init__(self, build: Callable[[], LLMEngine], window_seconds: float = 10.0,
                  on_window: Callable[[EfficiencyWindow], None] | None = None,
-                 on_step: Callable[[StepStats], None] | None = None, threads: int | None = None,
+                 on_step: Callable[[LiveStats], None] | None = None, threads: int | None = None,
                  pin_cpus: bool = False, nice: int | None = None):
         """`build` makes the engine in the engine process, so it must pickle (a function, or a partial of one);
         `threads` is the engine's PyTorch thread count (default_engine_threads()). `pin_cpus`: a CPU engine and
@@ -173,7 +175,7 @@ class EngineBridge:
         for future, error in failed:
             if future is not None:
                 future.set_exception(error)
-        if report.step is not None and self.on_step is not None:
-            self.on_step(report.step)
+        if report.live is not None and self.on_step is not None:
+            self.on_step(report.live)
         if report.window is not None and self.on_window is not None:
             self.on_window(report.window)

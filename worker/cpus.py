@@ -9,8 +9,8 @@ import os
 from collections.abc import Callable
 
 # Pinning gives the engine CPUs that the worker stays off, but the kernel still wakes other processes there:
-# Postgres backends, Redis and clients sharing the host preempted the queue bench's engine about 1,300 times a
-# run (0.8 s of 6 s waiting in its run queue, on 2 cores). At nice -10 they mostly yield it (0.16-0.45 s).
+# Postgres backends, Redis and clients sharing the host preempted the queue bench's engine there, leaving it waiting
+# in its run queue (bench/NOTES.md). At nice -10 they mostly yield it.
 PINNED_ENGINE_NICE = -10
 
 

@@ -1,5 +1,5 @@
-"""The GPU worker: one engine behind a bridge, Celery task threads feeding it chunks of requests, with leases,
-heartbeats, efficiency windows and a reconciliation timer running beside them.
+"""The GPU worker: one engine behind a bridge, Celery task threads feeding it chunks of requests, and its maintenance
+(leases, heartbeats, efficiency windows, reconciliation: worker/maintenance.py) running beside them.
 
 A chunk is claimed (queued -> running under a lease), run, and its results written in one transaction before
 the task returns, so Celery acks the message only once the results are stored (acks_late).
@@ -7,13 +7,9 @@ the task returns, so Celery acks the message only once the results are stored (a
 
 from __future__ import annotations
 
-import logging
 import os
-import queue
-import signal
 import socket
 import threading
-import time
 import uuid
 from collections.abc import Callable
 from concurrent.futures import CancelledError, wait
@@ -23,19 +19,19 @@ from celery import Celery
 from pydantic import ValidationError
 from sqlalchemy.orm import Session, sessionmaker
 
-from sluice.api import models, store
+from sluice.api import store
+from sluice.api.batch_lines import BODIES
 from sluice.api.dispatch import dispatch
-from sluice.api.schemas import BODIES, response_body
+from sluice.api.results import response_body
 from sluice.worker.bridge import EngineBridge, EngineNotRunning
 from sluice.worker.engine import LLMEngine, RequestOutput, RequestRejected
-from sluice.worker.engine_core import EfficiencyWindow, Submit, freeze_heap
+from sluice.worker.engine_process import freeze_heap
+from sluice.worker.engine_protocol import Submit
+from sluice.worker.maintenance import Maintenance
 from sluice.worker.metrics import EngineMetrics
-from sluice.worker.reconcile import STALE_SECONDS, reconcile_once
+from sluice.worker.reconcile import STALE_SECONDS
 from sluice.worker.retry import retry_transient
 from sluice.worker.translate import PromptError, Responses, engine_inputs
-
-log = logging.getLogger(__name__)
-RENEW_SECONDS = 5.0  # renewing leases also tells the worker what to abort (cancelled batches): a cancel acts this fast
 
 
 @dataclass
@@ -65,19 +61,16 @@ class GpuWorker:
                  sessions: sessionmaker[Session], app: Celery):
         self.settings, self.sessions, self.app = settings, sessions, app
         self.id = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-        self.windows: queue.Queue[EfficiencyWindow] = queue.Queue()
+        self.maintenance = Maintenance(self)
         self.metrics = EngineMetrics(settings.served_model_name)
-        self.bridge = EngineBridge(build_engine, settings.window_seconds, on_window=self.windows.put,
+        self.bridge = EngineBridge(build_engine, settings.window_seconds, on_window=self.maintenance.windows.put,
                                    on_step=self.metrics.observe, threads=settings.engine_threads,
                                    pin_cpus=settings.cpu_pinning, nice=settings.engine_nice)
         self.in_flight: set[int] = set()
         self.lock = threading.Lock()
         self.consuming = threading.Event()  # Celery consumes the model's queue: the worker is live
-        self._beat_lock = threading.Lock()  # one beat at a time, each writing the status as it is when it writes
         self.stopping = threading.Event()
-        self.closed = threading.Event()
         self._grace: threading.Timer | None = None  # stops the engine when SIGTERM's grace period runs out
-        self._maintenance = threading.Thread(target=self._maintain, name="maintenance", daemon=True)
         # a claim is one UPDATE: on PostgreSQL it commits on its own, without the BEGIN and COMMIT round trips of a
         # transaction, two of a chunk's nine (SQLite's writers keep their BEGIN IMMEDIATE, api.db)
         bind = sessions.kw["bind"]
@@ -91,18 +84,23 @@ class GpuWorker:
         self.responses = Responses(self.processor.tokenizer)
         if self.settings.metrics_port is not None:
             self.metrics.serve(self.settings.metrics_port)
-        self._heartbeat()  # starting: live once Celery consumes the queue (mark_consuming)
+        self.maintenance.heartbeat()  # starting: live once Celery consumes the queue (mark_consuming)
         freeze_heap()  # the worker's own heap (Celery, SQLAlchemy, transformers) likewise; not measured apart
-        self._maintenance.start()
+        self.maintenance.start()
         return self
 
     def mark_consuming(self) -> None:
         """Celery's consumer is ready: from now on a message for this model is taken, so the worker is live."""
         self.consuming.set()
-        self._heartbeat()
+        self.maintenance.heartbeat()
 
     def status(self) -> str:
         return "stopping" if self.stopping.is_set() else "running" if self.consuming.is_set() else "starting"
+
+    def in_flight_ids(self) -> list[int]:
+        """The requests this worker's chunks are running now, in id order."""
+        with self.lock:
+            return sorted(self.in_flight)
 
     # --- a chunk, on a Celery task thread
 
@@ -117,7 +115,7 @@ class GpuWorker:
             self.in_flight.update(c.id for c in claimed)
         try:
             results, aborted, unrun = self._run(claimed)
-            finished = self._db(lambda s: store.write_results(s, results, self.id))
+            finished = self.db(lambda s: store.write_results(s, results, self.id))
             released = self._settle_aborted(aborted, unrun)
         finally:
             with self.lock:
@@ -127,7 +125,7 @@ class GpuWorker:
     def _claim(self, request_ids: list[int]) -> list[store.Claimed]:
         claim = lambda db: store.claim(db, request_ids, self.id, self.settings.lease_seconds)
         if self._autocommit is None:
-            return self._db(claim)
+            return self.db(claim)
 
         def once() -> list[store.Claimed]:
             with self._autocommit.connect() as connection:
@@ -183,8 +181,8 @@ class GpuWorker:
         if self.stopping.is_set() and self.bridge.error is None:
             unrun, aborted = unrun + aborted, []
         if aborted:
-            self._db(lambda s: store.mark_cancelled(s, aborted, self.id))
-        return self._db(lambda s: store.release(s, unrun, self.id)) if unrun else []
+            self.db(lambda s: store.mark_cancelled(s, aborted, self.id))
+        return self.db(lambda s: store.release(s, unrun, self.id)) if unrun else []
 
     # --- shutdown
 
@@ -193,7 +191,7 @@ class GpuWorker:
         if self.stopping.is_set():
             return
         self.stopping.set()
-        self._heartbeat()
+        self.maintenance.heartbeat()
         # a daemon, cancelled by close(): a worker whose chunks all finished early must not wait out the grace
         # period (30 s by default, more than `docker stop` gives before its SIGKILL) before its process can exit
         self._grace = threading.Timer(self.settings.shutdown_grace_seconds, self.bridge.stop)
@@ -205,66 +203,10 @@ class GpuWorker:
         if self._grace is not None:
             self._grace.cancel()
         self.bridge.stop(timeout=30)
-        self.closed.set()
-        self._maintenance.join(timeout=30)
-        self._flush_windows()
-        self._heartbeat("stopped")
+        self.maintenance.stop()
+        self.maintenance.heartbeat("stopped")
 
-    # --- maintenance thread: leases, heartbeats, efficiency windows, reconciliation
-
-    def _maintain(self) -> None:
-        due = {"lease": 0.0, "beat": 0.0, "reconcile": 0.0}
-        while not self.closed.wait(0.5):
-            now = time.monotonic()
-            try:
-                if now >= due["lease"]:
-                    due["lease"] = now + min(self.settings.lease_seconds / 3, RENEW_SECONDS)
-                    self._renew_leases()
-                if now >= due["beat"]:
-                    due["beat"] = now + self.settings.heartbeat_seconds
-                    self._flush_windows()
-                    self._heartbeat()
-                if now >= due["reconcile"] and not self.stopping.is_set():
-                    due["reconcile"] = now + self.settings.reconcile_seconds
-                    reconcile_once(self.sessions, self.app, self.settings.stale_seconds)
-            except Exception:  # the database or broker may be down for a while; keep going
-                log.exception("maintenance pass failed; retrying")
-            if self.bridge.error is not None:
-                log.error("the engine thread died: %r", self.bridge.error)
-                os.kill(os.getpid(), signal.SIGTERM)  # Celery's warm shutdown
-                return
-
-    def _renew_leases(self) -> None:
-        with self.lock:
-            ids = sorted(self.in_flight)
-        if ids:
-            for request_id in self._db(lambda s: store.renew_leases(s, ids, self.id, self.settings.lease_seconds)):
-                self.bridge.abort(str(request_id))
-
-    def _flush_windows(self) -> None:
-        rows = []
-        while not self.windows.empty():
-            w = self.windows.get_nowait()
-            rows.append(models.EfficiencyWindow(
-                worker_id=self.id, model=self.settings.served_model_name, window_start=w.start, window_end=w.end,
-                steps=w.steps, prefill_tokens=w.prefill_tokens, decode_tokens=w.decode_tokens,
-                mean_running_seqs=w.mean_running, max_running_seqs=w.max_running, max_num_seqs=w.max_num_seqs,
-                token_budget_use=w.token_budget_use, kv_cache_use=w.kv_cache_use, preemptions=w.preemptions,
-                prefix_cache_queries=w.prefix_cache_queries, prefix_cache_hits=w.prefix_cache_hits,
-                busy_seconds=w.busy_seconds, idle_seconds=w.idle_seconds))
-        if rows:
-            self._db(lambda s: [store.record_efficiency(s, row) for row in rows])
-
-    def _heartbeat(self, status: str | None = None) -> None:
-        """Record the worker's status (default: `status()`, read under the lock, so a beat of the maintenance thread
-        that read "starting" cannot commit after mark_consuming's "running" and leave the worker not live)."""
-        with self._beat_lock:
-            current = status or self.status()
-            self._db(lambda s: store.heartbeat(s, self.id, hostname=socket.gethostname(), pid=os.getpid(),
-                                               model=self.settings.model,
-                                               served_model_name=self.settings.served_model_name, status=current))
-
-    def _db(self, work):
+    def db(self, work):
         """Run `work(session)` in a transaction, retrying transient database errors with backoff; webhooks the
         transaction wrote (a batch finished or was cancelled) are published once it has committed."""
         def transaction():

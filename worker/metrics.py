@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-from sluice.worker.engine_core import StepStats
+from sluice.worker.engine_protocol import LiveStats
 
 LATENCY_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600)
 STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
@@ -33,17 +33,17 @@ class EngineMetrics:
     def serve(self, port: int) -> None:
         start_http_server(port, registry=self.registry)
 
-    def observe(self, step: StepStats) -> None:
-        """After each engine step, with what the engine process reported of it."""
-        m = self.model
-        self.running.labels(m).set(step.num_running)
-        self.waiting.labels(m).set(step.num_waiting)
-        self.kv_usage.labels(m).set(step.kv_blocks_used / step.kv_blocks_total)
-        self.generation_tokens.labels(m).inc(step.generated_tokens)
-        self.prompt_tokens.labels(m).inc(step.prefill_tokens)
-        self.preemptions.labels(m).inc(step.preemptions)
-        if step.seconds is not None:  # None: requests were aborted, no step ran
+    def observe(self, live: LiveStats) -> None:
+        """After each engine step, and after aborts in an idle engine, with what the engine process reported."""
+        m, step = self.model, live.step
+        self.running.labels(m).set(live.num_running)
+        self.waiting.labels(m).set(live.num_waiting)
+        self.kv_usage.labels(m).set(live.kv_blocks_used / live.kv_blocks_total)
+        if step is not None:  # None: requests were aborted, no step ran
+            self.generation_tokens.labels(m).inc(step.num_generated)
+            self.prompt_tokens.labels(m).inc(step.num_prefill_tokens)
+            self.preemptions.labels(m).inc(step.num_preemptions)
             self.step.labels(m).observe(step.seconds)
-        for ttft, e2e in step.latencies:
+        for ttft, e2e in live.latencies:
             self.ttft.labels(m).observe(ttft)
             self.e2e.labels(m).observe(e2e)

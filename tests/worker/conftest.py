@@ -17,8 +17,8 @@ from databases import postgres_database, redis_db
 from sqlalchemy import select, text
 
 from sluice.api import db, store
-from sluice.api.models import Base, Request, Result
 from sluice.api.queue import make_app, publish_chunks
+from sluice.api.tables import Base, Request, Result
 
 MODEL = "tiny"
 REDIS_DB = 12

@@ -2,7 +2,7 @@ import gc
 
 import pytest
 
-from sluice.worker.engine_core import YOUNG_GC_THRESHOLD, freeze_heap
+from sluice.worker.engine_process import YOUNG_GC_THRESHOLD, freeze_heap
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ from servers import free_port
 from sqlalchemy import func, select, text
 
 from sluice.api import store
-from sluice.api.models import EfficiencyWindow, Request, Result
+from sluice.api.tables import EfficiencyWindow, Request, Result
 from sluice.worker.engine import LLM, LLMEngine, SamplingParams
 from sluice.worker.gpu_worker import ChunkOutcome, GpuWorker, WorkerSettings
 
@@ -263,7 +263,7 @@ def test_the_worker_rides_out_its_database_connections_being_killed(cluster):
 def test_a_worker_is_live_only_once_celery_consumes_its_queue(cluster):
     """Built but not consuming, a worker would take no message: it must not count as serving its model (a batch
     would say no worker is waiting when none takes its work, and a test or a bench starting on it races)."""
-    from sluice.api.models import Worker
+    from sluice.api.tables import Worker
 
     worker = engine_worker(cluster, "starting-model")
 
@@ -286,7 +286,7 @@ def test_a_request_sent_again_to_the_worker_still_running_it_keeps_its_real_resu
     request again; in a one-worker deployment this same worker takes the message. The chunk running it must store its
     result: claimed a second time, the engine refused the duplicate id and that refusal was stored instead."""
     worker = engine_worker(cluster, lease_seconds=0.5, reconcile_seconds=600)
-    monkeypatch.setattr(worker, "_renew_leases", lambda: None)  # the outage, for renewals
+    monkeypatch.setattr(worker.maintenance, "renew_leases", lambda: None)  # the outage, for renewals
     batch_id = cluster.submit([completion(0, 200, ignore_eos=True)])
     ids = request_ids(cluster, batch_id)
     worker.start()
@@ -352,7 +352,7 @@ def broker_down():
 def test_a_broker_down_when_a_chunk_finishes_its_batch_fails_nothing(cluster):
     """The chunk's transaction completed the batch and wrote its webhook delivery; publishing that delivery then
     failed, and the task raised after its results were stored. Now it is logged and the sweep sends it later."""
-    from sluice.api.models import WebhookDelivery
+    from sluice.api.tables import WebhookDelivery
 
     with cluster.sessions.begin() as s:
         store.create_webhook_endpoint(s, store.get_or_create_tenant(s, "acme").id, "https://example.com/hook")

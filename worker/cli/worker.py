@@ -1,6 +1,6 @@
 """`sluice worker`: a GPU worker process, one engine fed by a Celery worker on the model's queue (threads pool).
 
-The engine is built and stepped in a child process started with spawn (worker/engine_core.py), and this process
+The engine is built and stepped in a child process started with spawn (worker/engine_process.py), and this process
 never initialises CUDA nor forks (the threads pool never forks), so CUDA is initialised once, where it is used.
 SIGTERM is Celery's warm shutdown: no new messages are taken, running chunks get a grace period to finish, then
 their requests are given back and their messages requeued.

@@ -48,11 +48,9 @@ class AttentionBackend(Protocol):
 
 
 # Decode rows attended together: at least DECODE_BUCKET, more while the bucket's gathered K and V stay within
-# BUCKET_BYTES. Rows arrive sorted by context, so a bucket pads little. Small buckets keep what SDPA reads in cache
-# (on an earlier CPU 8 rows of the bench Llama, 1.6-5 MB, ran decode attention ~1.9x faster than 32; on a Zen 3 with
-# 32 MiB of L3, 64 of its rows took 6.1 ms per layer in 2 MiB buckets against 6.7 in buckets of 8); short contexts of
-# a small model fit many rows in that, and fewer, larger buckets save the per-call cost of two ops per bucket and
-# layer (250 sequences of the demo model: 2.2 ms of decode attention per layer in 2 MiB buckets, 6.2 ms in 8s).
+# BUCKET_BYTES. Rows arrive sorted by context, so a bucket pads little. Small buckets keep what SDPA reads in cache;
+# short contexts of a small model fit many rows in that, and fewer, larger buckets save the per-call cost of two ops
+# per bucket and layer (the measurements are in bench/NOTES.md).
 DECODE_BUCKET = 8
 BUCKET_BYTES = 2 << 20
 # Prefill rows of at most this many query tokens are attended together, padded to their bucket's longest (a
@@ -106,7 +104,7 @@ class TorchAttention:
         self._plans: dict[int | None, tuple[AttentionMetadata, StepPlan]] = {}  # by window: the step it planned
 
     def prepare(self, device: torch.device, dtype: torch.dtype) -> None:
-        """Build the C++ kernel now if this engine will use it (about 25 s the first time on a machine, then cached),
+        """Build the C++ kernel now if this engine will use it (a compile the first time on a machine, then cached),
         rather than inside the first decode step."""
         if self.cpu_decode_kernel and device.type == "cpu" and dtype == torch.float32:
             cpu_attention.available()

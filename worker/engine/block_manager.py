@@ -75,6 +75,14 @@ class BlockManager:
             parent = h
         return len(seq.block_table) * self.block_size
 
+    def holds(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """Whether the sequence's own blocks already have room for its next num_new_tokens tokens."""
+        return seq.num_computed_tokens + num_new_tokens <= len(seq.block_table) * self.block_size
+
+    def tokens_that_fit(self, seq: Sequence) -> int:
+        """How many more tokens the sequence could take: the room left in its blocks and in every free block."""
+        return (len(seq.block_table) + self.num_free_blocks) * self.block_size - seq.num_computed_tokens
+
     def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
         need = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
         return need <= self.num_free_blocks

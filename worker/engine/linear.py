@@ -73,8 +73,8 @@ def cpu_gemm(choice: str) -> str:
     """'mkl' or 'onednn' for float32 CPU projections: MKL's packed sgemm on Intel CPUs, oneDNN's elsewhere.
 
     MKL dispatches by vendor and takes a generic path on AMD CPUs, where oneDNN (which dispatches by instruction
-    set) ran 1.2-2.3x faster; on an Intel Xeon MKL's packed kernel ran 7-40% faster than oneDNN's from 4 to 256
-    rows (bench/throughput.py prints both rates)."""
+    set) ran faster; on an Intel Xeon MKL's packed kernel ran faster than oneDNN's from 4 to 256 rows
+    (bench/throughput.py prints both rates; bench/NOTES.md has the runs)."""
     mkl = can_pack_mkl(torch.empty(1))
     if choice == "mkl" and not mkl:
         raise ValueError("cpu_gemm='mkl' needs a PyTorch built with MKL and oneDNN")
@@ -90,12 +90,11 @@ def bucket_rows(rows: int) -> int:
     """The row count a oneDNN GEMM runs at: up to EXACT_ROWS rows as they are, then rounded up to a multiple of 8
     up to 256, then to one of 16 sizes per doubling (at most 6.25% padding).
 
-    oneDNN builds a primitive for every new row count (0.5-4 ms for each of the demo model's projections, against
-    0.1-0.5 ms to run one at 256 rows) and caches 1024 of them: a worker whose prefill steps take any token count
+    oneDNN builds a primitive for every new row count (costing more than running one) and caches 1024 of them: a
+    worker whose prefill steps take any token count
     up to max_num_batched_tokens would build one per projection nearly every step. With 152 sizes up to 4096 rows
     every projection's primitives stay cached. Decode steps of up to 64 sequences stay exact: padding them to a
-    multiple of 8 computed 9% more rows on average, and a decode step is all GEMM (the bench's continuous run took
-    0.3 s less of 12 with them exact, its first run's primitive builds included).
+    multiple of 8 computed 9% more rows on average, and a decode step is all GEMM.
     """
     if rows <= EXACT_ROWS:
         return rows

@@ -5,7 +5,6 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -20,17 +19,7 @@ from sluice.worker.engine.sampler import sample
 from sluice.worker.engine.sampling_params import SamplingParams
 from sluice.worker.engine.scheduler import Scheduler
 from sluice.worker.engine.sequence import Sequence, TokenLogprobs
-
-
-@dataclass
-class StepRecord:
-    """What one step did: the efficiency windows of the worker are built from these."""
-
-    num_seqs: int
-    num_tokens: int
-    seconds: float
-    kv_blocks_used: int
-    num_generated: int = 0  # sequences that gained a token
+from sluice.worker.engine.stats import StepStats
 
 
 def resolve_model(model: str) -> Path:
@@ -61,7 +50,7 @@ class LLMEngine:
         self.counters = dict.fromkeys(("num_steps", "num_prefill_tokens", "num_decode_tokens", "num_preemptions",
                                        "prefix_cache_queries", "prefix_cache_hits"), 0)
         self.busy_seconds = 0.0
-        self.last_step: StepRecord | None = None
+        self.last_step: StepStats | None = None  # the last step's own counts; None: it had nothing to run
 
     def _eos_ids(self, path: Path) -> set[int]:
         ids = set(self.model_config.eos_token_ids)
@@ -147,15 +136,16 @@ class LLMEngine:
         start = time.perf_counter()
         plan = self.scheduler.schedule()
         if not plan.scheduled:
-            self.last_step = None  # nothing ran: no record for the caller to count again
+            self.last_step = None  # nothing ran: no stats for the caller to count again
             return []
         scheduled_at = time.time()  # a request's queue time ends here, not once its first step has run
         logits, sample_seqs = self.runner.run(plan.scheduled)
         tokens, logprobs = sample(logits, sample_seqs) if sample_seqs else ([], [])
         now = time.time()
+        decode_tokens = 0
         for seq, n in plan.scheduled:
-            decode = n == 1 and seq.num_computed_tokens >= seq.num_prompt_tokens
-            self.counters["num_decode_tokens" if decode else "num_prefill_tokens"] += n
+            if n == 1 and seq.num_computed_tokens >= seq.num_prompt_tokens:
+                decode_tokens += 1
             seq.num_computed_tokens += n
             seq.first_scheduled_time = seq.first_scheduled_time or scheduled_at
             self.block_manager.commit_full_blocks(seq)
@@ -165,18 +155,26 @@ class LLMEngine:
         total = plan.num_tokens
         for seq, n in plan.scheduled:
             seq.gpu_seconds += elapsed * n / total
-        self.busy_seconds += elapsed
-        self.last_step = StepRecord(len(plan.scheduled), total, elapsed, self.block_manager.num_used_blocks,
-                                    len(sample_seqs))
-        self.counters["num_steps"] += 1
-        self.counters["num_preemptions"] += len(plan.preempted)
-        self.counters["prefix_cache_queries"] += plan.prefix_queries
-        self.counters["prefix_cache_hits"] += plan.prefix_hits
+        self.last_step = StepStats(elapsed, len(plan.scheduled), total, len(sample_seqs), total - decode_tokens,
+                                   decode_tokens, len(plan.preempted), plan.prefix_queries, plan.prefix_hits,
+                                   self.block_manager.num_used_blocks)
+        self._count(self.last_step)
         outputs = [RequestOutput.from_seq(seq) for seq in sample_seqs if seq.is_finished or not finished_only]
         for seq in sample_seqs:
             if seq.is_finished:
                 del self.requests[seq.request_id]
         return outputs
+
+    def _count(self, step: StepStats) -> None:
+        """Add a step to the running totals that stats() reports."""
+        c = self.counters
+        c["num_steps"] += 1
+        c["num_prefill_tokens"] += step.num_prefill_tokens
+        c["num_decode_tokens"] += step.num_decode_tokens
+        c["num_preemptions"] += step.num_preemptions
+        c["prefix_cache_queries"] += step.prefix_cache_queries
+        c["prefix_cache_hits"] += step.prefix_cache_hits
+        self.busy_seconds += step.seconds
 
     def _append(self, seq: Sequence, token: int, lp: TokenLogprobs | None, now: float) -> None:
         seq.token_ids.append(token)

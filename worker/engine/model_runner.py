@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import cached_property
 
 import torch
@@ -13,6 +14,17 @@ from sluice.worker.engine.linear import DENSE, ONEDNN_FLOAT32, PACKED_FLOAT32, L
 from sluice.worker.engine.loader import build_model, init_dummy_weights, load_weights
 from sluice.worker.engine.quantization import quantize_model
 from sluice.worker.engine.sequence import Sequence
+
+
+@dataclass
+class PreparedBatch:
+    """One step's flat batch: every scheduled token of every sequence, decode rows first, no padding."""
+
+    input_ids: torch.Tensor  # [num_tokens] int64
+    positions: torch.Tensor  # [num_tokens] int64
+    attention: AttentionMetadata  # slot_mapping [num_tokens], block_tables [num_seqs, max_blocks], ...
+    logits_rows: torch.Tensor  # [num_sampled] int64: the rows of the sequences' last tokens, the ones sampled
+    sample_seqs: list[Sequence]  # [num_sampled]: the sequences those rows sample for, in their order
 
 
 class ModelRunner:
@@ -116,23 +128,24 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, scheduled: list[tuple[Sequence, int]]) -> tuple[torch.Tensor, list[Sequence]]:
         """One forward over every scheduled token; returns logits for sequences whose last token was computed."""
-        input_ids, positions, meta, logits_rows, sample_seqs = self._prepare(scheduled)
-        hidden = self.model(input_ids, positions, self.caches, meta, keep=logits_rows)
-        if not sample_seqs:
+        batch = self.prepare(scheduled)
+        hidden = self.model(batch.input_ids, batch.positions, self.caches, batch.attention, keep=batch.logits_rows)
+        if not batch.sample_seqs:
             # nothing reads this step back, so wait for the device here: else its GPU time lands in the next step
-            # (whose _prepare syncs) and is charged to that step's sequences
+            # (whose prepare syncs) and is charged to that step's sequences
             if hidden.is_cuda:
                 torch.cuda.synchronize(hidden.device)
             return torch.empty(0), []
-        return self.model.compute_logits(hidden), sample_seqs
+        return self.model.compute_logits(hidden), batch.sample_seqs
 
     @torch.inference_mode()
     def all_logits(self, seq: Sequence) -> torch.Tensor:
         """Logits at every position of a sequence's uncomputed tokens (its blocks already allocated)."""
-        input_ids, positions, meta, _, _ = self._prepare([(seq, seq.num_remaining)])
-        return self.model.compute_logits(self.model(input_ids, positions, self.caches, meta))
+        batch = self.prepare([(seq, seq.num_remaining)])
+        return self.model.compute_logits(self.model(batch.input_ids, batch.positions, self.caches, batch.attention))
 
-    def _prepare(self, scheduled: list[tuple[Sequence, int]]):
+    def prepare(self, scheduled: list[tuple[Sequence, int]]) -> PreparedBatch:
+        """The step's tensors on the device, from each scheduled sequence and its number of new tokens."""
         # single-token rows first, sorted by context so the attention backend's decode buckets pad little
         scheduled = sorted(scheduled, key=lambda item: (item[1] != 1, item[0].num_computed_tokens))
         bs = self.block_size
@@ -171,7 +184,6 @@ class ModelRunner:
             query_lens=query_lens,
             context_lens_list=context_lens,
         )  # each layer's window is the model's to set (Decoder.forward)
-        ids = torch.tensor(input_ids, dtype=torch.int64, device=dev)
-        pos = torch.tensor(positions, dtype=torch.int64, device=dev)
-        rows = torch.tensor(logits_rows, dtype=torch.int64, device=dev)
-        return ids, pos, meta, rows, sample_seqs
+        return PreparedBatch(torch.tensor(input_ids, dtype=torch.int64, device=dev),
+                             torch.tensor(positions, dtype=torch.int64, device=dev), meta,
+                             torch.tensor(logits_rows, dtype=torch.int64, device=dev), sample_seqs)

@@ -38,7 +38,7 @@ class RequestOutput:
     def __reduce__(self):
         # pickled once per finished request in the engine's process, unpickled in the worker: as the constructor's
         # arguments, not through slots dataclasses' own __getstate__/__setstate__, which look the fields up on every
-        # call (10,000 outputs: 31 instead of 53 ms to pickle, 24 instead of 124 ms to unpickle)
+        # call (bench/NOTES.md has the timings)
         return RequestOutput, _output_fields(self)
 
     @classmethod

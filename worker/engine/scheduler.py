@@ -111,7 +111,7 @@ class _Step:
                 return
             cached = self.bm.match_prefix(seq)
             seq.num_computed_tokens = cached
-            n = min(seq.num_remaining, self.budget, self._tokens_that_fit(seq))
+            n = min(seq.num_remaining, self.budget, self.bm.tokens_that_fit(seq))
             if n <= 0:
                 self.bm.free(seq)
                 seq.num_computed_tokens = 0
@@ -128,11 +128,11 @@ class _Step:
 
     def _schedule_running(self, seq: Sequence, n: int) -> None:
         """Schedule n tokens of a running sequence, preempting later-ranked ones when blocks run out."""
-        if seq.num_computed_tokens + n <= len(seq.block_table) * self.bm.block_size:  # its blocks hold them
+        if self.bm.holds(seq, n):
             self._take(seq, n)
             return
         while True:
-            n_fit = min(n, self._tokens_that_fit(seq))
+            n_fit = min(n, self.bm.tokens_that_fit(seq))
             if n_fit > 0:
                 self._take(seq, n_fit)
                 return
@@ -150,7 +150,3 @@ class _Step:
         self.bm.allocate(seq, n)
         self.scheduled[seq] = n
         self.budget -= n
-
-    def _tokens_that_fit(self, seq: Sequence) -> int:
-        capacity = (len(seq.block_table) + self.bm.num_free_blocks) * self.bm.block_size
-        return capacity - seq.num_computed_tokens

@@ -16,7 +16,7 @@ from sluice.worker.engine.linear import Linear
 FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
          "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 # a CPU prefill's MLP runs this many tokens at a time: the [tokens, 2 x intermediate] activation then stays in cache
-# between gate/up, SiLU and down (prefill steps of 2048 tokens ran 7-9% faster with 512 in interleaved runs)
+# between gate/up, SiLU and down (bench/NOTES.md has the measurement)
 CPU_MLP_ROWS = 512
 
 

@@ -2,8 +2,9 @@
 
 A GPU worker's task threads tokenize, talk to Postgres and Celery, and build response bodies; sharing one process
 (one GIL) with them made every engine step about 3x slower (bench/queue_overhead.py). Here the engine has its
-process to itself. It reads requests and aborts from one pipe and writes a Report per step to another; it exits
-when the worker asks it to, or when the request pipe closes because the worker died.
+process to itself. It reads requests and aborts from one pipe and writes a Report per step to another
+(worker/engine_protocol.py); it exits when the worker asks it to, or when the request pipe closes because the
+worker died.
 """
 
 from __future__ import annotations
@@ -13,126 +14,17 @@ import os
 import signal
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 
 import torch
 
 from sluice.worker.cpus import PINNED_ENGINE_NICE, pin_threads, set_nice
-from sluice.worker.engine import LLMEngine, RequestOutput, RequestRejected, SamplingParams
-from sluice.worker.engine.config import EngineConfig
+from sluice.worker.efficiency import EfficiencyWindow
+from sluice.worker.engine import LLMEngine, RequestOutput, RequestRejected
+from sluice.worker.engine.stats import StepStats
+from sluice.worker.engine_protocol import Abort, Failed, LiveStats, Ready, Report, Stop, Submit
 
 IDLE_POLL_SECONDS = 0.05
-
-
-@dataclass
-class Submit:
-    request_id: str
-    prompt: list[int]
-    params: SamplingParams
-    priority: int = 0
-    arrival_time: float | None = None
-
-
-@dataclass
-class Abort:
-    request_id: str
-
-
-@dataclass
-class Stop:
-    """Abort everything, send the last report, exit."""
-
-
-@dataclass
-class Ready:
-    """The engine is built: what the worker needs to prepare requests without the model."""
-
-    path: str
-    config: EngineConfig
-    num_kv_blocks: int
-    pinned: bool = False  # the engine process took the CPUs it was offered
-    nice: int = 0  # the engine process's nice value
-    nice_refused: int | None = None  # the nice value it was to take but was not permitted to
-
-
-@dataclass
-class Failed:
-    """Building the engine, or a step, raised this."""
-
-    error: BaseException
-
-
-@dataclass
-class EfficiencyWindow:
-    """Batch efficiency over [start, end): what the engine did and how full it ran."""
-
-    start: float
-    end: float = 0.0
-    steps: int = 0
-    prefill_tokens: int = 0
-    decode_tokens: int = 0
-    running_sum: int = 0
-    max_running: int = 0
-    max_num_seqs: int = 0
-    token_budget_sum: float = 0.0
-    kv_use_sum: float = 0.0
-    preemptions: int = 0
-    prefix_cache_queries: int = 0
-    prefix_cache_hits: int = 0
-    busy_seconds: float = 0.0
-
-    def _per_step(self, total: float) -> float:
-        return total / self.steps if self.steps else 0.0
-
-    @property
-    def mean_running(self) -> float:
-        return self._per_step(self.running_sum)
-
-    @property
-    def occupancy(self) -> float:
-        return self.mean_running / self.max_num_seqs if self.max_num_seqs else 0.0
-
-    @property
-    def token_budget_use(self) -> float:
-        return self._per_step(self.token_budget_sum)
-
-    @property
-    def kv_cache_use(self) -> float:
-        return self._per_step(self.kv_use_sum)
-
-    @property
-    def idle_seconds(self) -> float:
-        return max(self.end - self.start - self.busy_seconds, 0.0)
-
-
-@dataclass
-class StepStats:
-    """One step, for the live metrics: the engine's state after it and the step's own counts."""
-
-    seconds: float | None  # None: no step ran, only the state changed (requests were aborted)
-    num_running: int
-    num_waiting: int
-    kv_blocks_used: int
-    kv_blocks_total: int
-    generated_tokens: int
-    prefill_tokens: int
-    preemptions: int
-    latencies: list[tuple[float, float]] = field(default_factory=list)  # finished requests' (TTFT, end to end)
-
-
-@dataclass
-class Report:
-    finished: list[RequestOutput] = field(default_factory=list)
-    rejected: list[tuple[str, RequestRejected]] = field(default_factory=list)
-    cancelled: list[str] = field(default_factory=list)
-    step: StepStats | None = None
-    window: EfficiencyWindow | None = None
-    final_stats: dict | None = None  # set on the last report: the engine has stopped, nothing follows
-
-    def __bool__(self) -> bool:
-        return bool(self.finished or self.rejected or self.cancelled or self.step or self.window
-                    or self.final_stats is not None)
 
 
 def run_engine(build: Callable[[], LLMEngine], requests: Connection, reports: Connection,
@@ -192,6 +84,8 @@ def _send_failure(reports: Connection, error: BaseException) -> None:
 
 
 class EngineCore:
+    """The loop of the engine process: take in messages, step the engine while it has work, report."""
+
     def __init__(self, engine: LLMEngine, requests: Connection, reports: Connection, window_seconds: float):
         self.engine, self.requests, self.reports = engine, requests, reports
         self.window_seconds = window_seconds
@@ -241,40 +135,23 @@ class EngineCore:
                                          else RequestRejected(str(e))))
 
     def _step(self) -> None:
-        engine = self.engine
-        before = dict(engine.counters)
-        finished = engine.step(finished_only=True)  # outputs of unfinished requests would only be dropped here
-        delta = {k: v - before[k] for k, v in engine.counters.items()}
+        finished = self.engine.step(finished_only=True)  # outputs of unfinished requests would only be dropped here
         self.report.finished += finished
-        record = engine.last_step
-        if record is None:
+        step = self.engine.last_step
+        if step is None:
             return
-        self._account(delta)
-        self.report.step = self._stats(record.seconds, record.num_generated, delta["num_prefill_tokens"],
-                                       delta["num_preemptions"], _latencies(finished))
+        self.window.add(step)
+        self.report.live = self._live(step, _latencies(finished))
 
-    def _stats(self, seconds: float | None, generated: int = 0, prefill: int = 0, preemptions: int = 0,
-               latencies: list[tuple[float, float]] | None = None) -> StepStats:
+    def _live(self, step: StepStats | None = None, latencies: list[tuple[float, float]] | None = None) -> LiveStats:
         engine, bm = self.engine, self.engine.block_manager
-        return StepStats(seconds, len(engine.scheduler.running), engine.scheduler.num_waiting, bm.num_used_blocks,
-                         bm.num_blocks, generated, prefill, preemptions, latencies or [])
-
-    def _account(self, delta: dict[str, int]) -> None:
-        w, record, config = self.window, self.engine.last_step, self.engine.config
-        w.steps += 1
-        w.prefill_tokens += delta["num_prefill_tokens"]
-        w.decode_tokens += delta["num_decode_tokens"]
-        w.preemptions += delta["num_preemptions"]
-        w.prefix_cache_queries += delta["prefix_cache_queries"]
-        w.prefix_cache_hits += delta["prefix_cache_hits"]
-        w.running_sum += record.num_seqs
-        w.max_running = max(w.max_running, record.num_seqs)
-        w.token_budget_sum += record.num_tokens / config.max_num_batched_tokens
-        w.kv_use_sum += record.kv_blocks_used / self.engine.block_manager.num_blocks
-        w.busy_seconds += record.seconds
+        return LiveStats(len(engine.scheduler.running), engine.scheduler.num_waiting, bm.num_used_blocks,
+                         bm.num_blocks, step, latencies or [])
 
     def _new_window(self, start: float) -> EfficiencyWindow:
-        return EfficiencyWindow(start=start, max_num_seqs=self.engine.config.max_num_seqs)
+        config = self.engine.config
+        return EfficiencyWindow(start, config.max_num_seqs, config.max_num_batched_tokens,
+                                self.engine.block_manager.num_blocks)
 
     def _close_window(self, force: bool = False) -> None:
         now = time.time()
@@ -286,10 +163,10 @@ class EngineCore:
             self.report.window = window
 
     def _flush(self) -> None:
-        if self.report.cancelled and self.report.step is None:
+        if self.report.cancelled and self.report.live is None:
             # aborts free sequences and blocks, and an idle engine runs no step to say so: without this the live
             # gauges would show the aborted requests running, and their KV blocks used, until the next request
-            self.report.step = self._stats(None)
+            self.report.live = self._live()
         if self.report:
             self.reports.send(self.report)
             self.report = Report()
