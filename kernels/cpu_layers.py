@@ -14,7 +14,7 @@ def _extension():
 
 
 def available() -> bool:
-    """Whether the kernels are built (building them now if not: about 20 s, once per machine)."""
+    """Whether the kernels are built (building them now if not: a compile, once per machine)."""
     return _extension() is not None
 
 

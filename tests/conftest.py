@@ -1,7 +1,8 @@
-"""Shared fixtures: tiny random Llama, Mistral and Qwen2 checkpoints built with transformers for this session."""
+"""Shared fixtures: tiny random Llama, Mistral and Qwen2 checkpoints built with transformers once per test run."""
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 from pathlib import Path
@@ -25,12 +26,24 @@ torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 @pytest.fixture(scope="session", autouse=True)
 def cpu_kernels():
-    """Build the C++ CPU kernels once, first (about 25 s each on a new machine, then cached): the worker and server
+    """Build the C++ CPU kernels once, first (slow on a new machine, then cached): the worker and server
     processes that tests start would otherwise each build them inside their start-up timeouts."""
     from sluice.kernels import cpu_attention, cpu_layers
 
     cpu_attention.available()
     cpu_layers.available()
+
+
+@pytest.fixture(autouse=True)
+def thawed_heap():
+    """A worker started in this process (tests/worker) freezes its heap (freeze_heap, worker/engine_process.py), and
+    frozen objects are never collected, not even as the interpreter exits: Triton's, imported when the kernel tests
+    were collected, would then outlive nanobind's exit-time check, which prints hundreds of lines of 'leaks' after
+    pytest's summary. Later tests would also run with the worker's collection threshold. Both are undone here."""
+    threshold = gc.get_threshold()
+    yield
+    gc.unfreeze()
+    gc.set_threshold(*threshold)
 
 
 ARCHS = {

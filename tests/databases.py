@@ -1,4 +1,4 @@
-"""Real services for tests: a PostgreSQL database of the test session's own, migrated, and a Redis db number."""
+"""Real services for tests: a PostgreSQL database of the test run's own, migrated, and a Redis db number."""
 
 from __future__ import annotations
 

@@ -9,6 +9,7 @@ worker died.
 
 from __future__ import annotations
 
+import atexit
 import gc
 import os
 import signal
@@ -57,15 +58,17 @@ YOUNG_GC_THRESHOLD = 20_000  # allocations less deallocations between young coll
 def freeze_heap() -> None:
     """Leave everything alive now (modules, the model, the tokenizer) out of every later garbage collection: the
     full collections that the steady stream of requests triggers would otherwise walk it all, between steps or
-    inside them (the engine spent 0.56 s of 11 s of a queue bench's run collecting; 0.09 s frozen).
+    inside them (bench/NOTES.md has the figures).
 
     Then collect the young generation less often. A request's objects (its body, token lists, futures, result rows)
     live for a chunk's run, a few hundred milliseconds: at CPython's 700 they are walked by one young collection
-    after another and promoted before they die, which cost the worker 0.26 CPU-seconds of a queue bench's run (265
-    young and 26 older collections). At 20,000 nearly all of them die first, freed by their reference counts (one
-    collection, 4 ms); only reference cycles wait longer to be freed."""
+    after another and promoted before they die. At YOUNG_GC_THRESHOLD nearly all of them die first, freed by their
+    reference counts; only reference cycles wait longer to be freed."""
     gc.collect()
     gc.freeze()
+    # frozen objects are never collected, not even at exit, where nanobind (Triton's bindings) then reports them all
+    # as leaked: thaw them before the interpreter tears down
+    atexit.register(gc.unfreeze)
     gc.set_threshold(YOUNG_GC_THRESHOLD, *gc.get_threshold()[1:])
 
 

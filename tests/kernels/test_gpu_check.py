@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "gpu_check.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "gpu_check.py"
 
 
 def load():

@@ -1,5 +1,4 @@
-"""Engine audit: seeded sampling under every scheduling regime, block accounting after aborts, and the limits of
-SamplingParams (each defect found here failed its test before its fix)."""
+"""Seeded sampling under every scheduling regime, block accounting after aborts, and the limits of SamplingParams."""
 
 from __future__ import annotations
 

@@ -23,7 +23,7 @@ def test_a_stale_torch_lock_does_not_hang_the_build(tmp_path):
         shutil.copytree(built, build_dir, ignore=shutil.ignore_patterns("lock", "sluice.flock"))
     build_dir.mkdir(exist_ok=True)
     (build_dir / "lock").touch()  # what SIGTERM during torch's build leaves
-    check = f"from kernels.cpu_build import build; assert build({SOURCE!r}, {FLAGS!r}) is not None"
+    check = f"from sluice.kernels.cpu_build import build; assert build({SOURCE!r}, {FLAGS!r}) is not None"
     subprocess.run([sys.executable, "-c", check], check=True, timeout=60 if built else 600,
                    env={**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path)})
     assert not (build_dir / "lock").exists()

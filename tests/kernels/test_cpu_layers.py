@@ -121,7 +121,7 @@ def test_the_engine_layers_take_the_kernels_for_float32_on_the_cpu_only(monkeypa
     assert cpu_layers.takes(x.device, x.dtype) and not cpu_layers.takes(x.device, torch.bfloat16)
 
 
-def test_a_failed_build_is_logged_and_gives_none(monkeypatch, caplog):
+def test_a_failed_build_is_logged_and_gives_none(monkeypatch, caplog, tmp_path):
     """No compiler (or any build error): a warning naming the source, and None, so the layers use PyTorch ops."""
     import torch.utils.cpp_extension
 
@@ -130,6 +130,7 @@ def test_a_failed_build_is_logged_and_gives_none(monkeypatch, caplog):
     def fail(*args, **kwargs):
         raise OSError("no c++ compiler")
 
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))  # no build made already, which would load as it is
     monkeypatch.setattr(torch.utils.cpp_extension, "load", fail)
     assert cpu_build.build.__wrapped__("layers_cpu.cpp", ("-ffp-contract=off",)) is None
     assert "layers_cpu.cpp could not be built (no c++ compiler)" in caplog.text

@@ -195,9 +195,9 @@ def pinned_run(llama_dir, tmp_path, prefix: list[str] = ()) -> tuple[dict, str]:
     """)
     path = tmp_path / "pinned.py"
     path.write_text(script)
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    done = subprocess.run([*prefix, sys.executable, str(path)], capture_output=True, text=True, cwd=root,
-                          timeout=300, env={**os.environ, "PYTHONPATH": f"{root}/tests"})
+    here = os.path.dirname(os.path.abspath(__file__))  # test_bridge itself, and tests/ for processes
+    done = subprocess.run([*prefix, sys.executable, str(path)], capture_output=True, text=True, cwd=here,
+                          timeout=300, env={**os.environ, "PYTHONPATH": os.pathsep.join([here, os.path.dirname(here)])})
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout.splitlines()[-1]), done.stderr
 
