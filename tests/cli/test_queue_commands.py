@@ -260,7 +260,9 @@ def test_an_unmigrated_database_is_named(tmp_path, monkeypatch, capsys):
 
 
 def test_api_and_the_cli_parser_import_no_torch():
+    """The parser of every command, and the API-only commands' modules, load neither the engine nor the GPU worker."""
     check = ("import sys, sluice.api.db, sluice.api.tables, sluice.api.queue, sluice.api.store, sluice.worker.cli; "
-             "sluice.worker.cli.build_parser(); "
-             "assert not {'torch', 'sluice.worker.engine'} & set(sys.modules), sorted(sys.modules)")
+             "from sluice.worker.cli import api, batches, db, keys; sluice.worker.cli.build_parser(); "
+             "engine = {'torch', 'sluice.worker.engine', 'sluice.worker.gpu_worker', 'sluice.worker.bridge'}; "
+             "assert not engine & set(sys.modules), sorted(sys.modules)")
     subprocess.run([sys.executable, "-c", check], check=True, capture_output=True)

@@ -8,10 +8,6 @@ from sluice.worker.cli.common import UsageError, port, read_settings
 
 
 def add_parsers(commands) -> None:
-    add_api_parser(commands)
-
-
-def add_api_parser(commands) -> None:
     parser = commands.add_parser(
         "api", help="run the REST API server",
         description="Serve the OpenAI-compatible Files and Batches API and sluice's own routes over "

@@ -10,10 +10,6 @@ from sluice.worker.cli.common import UsageError, database
 
 
 def add_parsers(commands) -> None:
-    add_keys_parser(commands)
-
-
-def add_keys_parser(commands) -> None:
     parser = commands.add_parser("keys", help="create and revoke tenants' API keys")
     actions = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
     create = actions.add_parser("create", help="create a key (and the tenant, if new); prints the key last, once",
