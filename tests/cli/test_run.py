@@ -315,6 +315,19 @@ def test_installed_console_script(tmp_path, llama_dir):
     assert read_jsonl(errors)[0]["error"]["line"] == 2
 
 
+def test_python_dash_m_sluice_runs_from_the_checkouts_root(tmp_path, llama_dir):
+    """`python -m sluice` puts its working directory on sys.path; run in the repository's root (whose kernels/ has the
+    name of the Hub's package that transformers imports), the engine still loads."""
+    root = Path(__file__).resolve().parents[2]
+    source = write_jsonl(tmp_path / "in.jsonl", [completion("ok", max_tokens=3, temperature=0)])
+    out = tmp_path / "out.jsonl"
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONSAFEPATH", "PYTHONPATH")}
+    proc = subprocess.run([sys.executable, "-m", "sluice", "run", str(source), "-o", str(out), "--model",
+                           str(llama_dir)], capture_output=True, text=True, timeout=120, cwd=root, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert [r["custom_id"] for r in read_jsonl(out)] == ["ok"]
+
+
 def test_finished_ids_keep_a_complete_last_line_and_drop_a_cut_one(tmp_path):
     out = tmp_path / "out.jsonl"
     out.write_text('{"custom_id": "a"}\n{"custom_id": "b"}')
