@@ -1,9 +1,10 @@
 """The request formats: OpenAI batch input lines and their bodies, validated line by line into requests or errors.
 
-Bodies accept OpenAI's documented fields for /v1/chat/completions and /v1/completions plus four sluice extensions
-named as vLLM names them (top_k, min_p, ignore_eos, stop_token_ids). An unknown field, a wrong type or an
-out-of-range value is an error naming the field; a documented field sluice cannot honour (n > 1, stream, penalties,
-logit_bias, echo, suffix, best_of > 1, several prompts in one line, tools, structured outputs, audio, ...) is an
+Bodies accept OpenAI's documented fields for /v1/chat/completions and /v1/completions plus six sluice extensions
+named as vLLM names them (top_k, min_p, ignore_eos, stop_token_ids, repetition_penalty, min_tokens). An unknown
+field, a wrong type or an out-of-range value is an error naming the field (a logit_bias token id outside the model's
+vocabulary is found where the request is translated for the engine); a documented field sluice cannot honour (n > 1,
+stream, echo, suffix, best_of > 1, several prompts in one line, tools, audio, ...) is an
 `unsupported_value` error unless left at its default. `model`, `user`, `metadata`, `store` and `service_tier` are
 accepted and ignored: outputs carry the served model's name.
 
@@ -22,11 +23,13 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
+from sluice.api.response_format import check_response_format
 from sluice.api.text import readable, valid_unicode
 
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
 PROMPT_FIELDS = {CHAT_URL: "body.messages", COMPLETIONS_URL: "body.prompt"}
+LOGIT_BIAS_MAX = 300  # entries, as OpenAI
 SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")  # a JSON escape of a surrogate code point
 
 
@@ -69,9 +72,10 @@ class _SamplingBody(_Strict):
     n: int | None = None
     stop: list[Annotated[str, Field(min_length=1)]] | None = Field(None, max_length=4)
     seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    # token id (a string of an integer, as JSON keys are) -> bias added to its logit
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = Field(None, max_length=LOGIT_BIAS_MAX)
     user: str | None = None
     # documented fields that change nothing a batch line produces: accepted and ignored, as `user`
     metadata: dict[str, str] | None = None
@@ -84,6 +88,8 @@ class _SamplingBody(_Strict):
     min_p: float | None = Field(None, ge=0, le=1)
     ignore_eos: bool | None = None
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    repetition_penalty: float | None = Field(None, gt=0)
+    min_tokens: int | None = Field(None, ge=0)
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -100,8 +106,21 @@ class _SamplingBody(_Strict):
     _no_stream = _refused("stream", detail="stream must be false in a batch")
     _no_stream_options = _refused("stream_options",
                                   detail="stream_options needs stream, which a batch line cannot have")
-    _no_penalties = _refused("frequency_penalty", "presence_penalty", "logit_bias",
-                             detail="not supported; leave it out or set it to 0")
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_ids(cls, v):
+        for key in v or {}:
+            if not (key.isascii() and key.isdigit()):
+                raise _invalid(f"logit_bias keys must be token ids (strings of integers >= 0), got {key!r}")
+        return v
+
+    @model_validator(mode="after")
+    def _min_tokens(self):
+        max_tokens = getattr(self, "max_completion_tokens", None) or self.max_tokens
+        if self.min_tokens is not None and max_tokens is not None and self.min_tokens > max_tokens:
+            raise _invalid(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({max_tokens})")
+        return self
 
     @field_validator("top_k")
     @classmethod
@@ -134,8 +153,8 @@ class ChatBody(_SamplingBody):
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
     parallel_tool_calls: bool | None = None  # means nothing without tools
+    response_format: dict[str, Any] | None = None  # api/response_format.py
     # documented fields sluice cannot honour: refused by name unless left at their default
-    response_format: dict[str, Any] | None = None
     tools: list[Any] | None = None
     functions: list[Any] | None = None
     tool_choice: str | dict[str, Any] | None = None
@@ -146,9 +165,16 @@ class ChatBody(_SamplingBody):
     reasoning_effort: Any = None
     web_search_options: Any = None
 
-    _text_format = _refused("response_format", defaults=({"type": "text"},),
-                            detail='only {"type": "text"}: structured outputs (json_object, json_schema) are not '
-                                   "supported")
+    @field_validator("response_format")
+    @classmethod
+    def _response_format(cls, v):
+        if v is not None:
+            try:
+                check_response_format(v)
+            except ValueError as e:
+                raise _invalid(str(e)) from None
+        return v
+
     _no_tools = _refused("tools", "functions", "tool_choice", "function_call", defaults=("none",),
                          detail='tool calling is not supported; leave it out or set tool_choice to "none"')
     _text_only = _refused("modalities", defaults=(["text"],),

@@ -93,6 +93,6 @@ def scripted_tokens(monkeypatch):
     def script(tokens: list[int]) -> None:
         queue = iter(tokens)
         monkeypatch.setattr("sluice.worker.engine.llm.sample",
-                            lambda logits, seqs: ([next(queue) for _ in seqs], [None] * len(seqs)))
+                            lambda logits, seqs, *_: ([next(queue) for _ in seqs], [None] * len(seqs)))
 
     return script

@@ -31,6 +31,7 @@ from sluice.worker.maintenance import Maintenance
 from sluice.worker.metrics import EngineMetrics
 from sluice.worker.reconcile import STALE_SECONDS
 from sluice.worker.retry import retry_transient
+from sluice.worker.structured import RESPONSE_FORMAT
 from sluice.worker.translate import PromptError, Responses, engine_inputs
 
 
@@ -161,7 +162,8 @@ class GpuWorker:
             except CancelledError:
                 aborted.append(c.id)
             else:
-                results.append(self._result(c, out))
+                results.append(self._result(c, out) if out.error is None
+                               else _error(c, "invalid_value", out.error, RESPONSE_FORMAT))
         return results, aborted, unrun
 
     def _result(self, c: store.Claimed, out: RequestOutput) -> store.RequestResult:

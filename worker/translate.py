@@ -18,6 +18,7 @@ from sluice.api.batch_lines import CHAT_URL, PROMPT_FIELDS, Body, ChatBody
 from sluice.api.results import Generation, TokenLogprob
 from sluice.worker.engine import InputProcessor, RequestOutput, RequestRejected, SamplingParams
 from sluice.worker.engine.detokenizer import TokenText, decode, decoder_types
+from sluice.worker.structured import RESPONSE_FORMAT, structured_outputs
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the rest of the context
 
@@ -44,9 +45,13 @@ def engine_inputs(processor: InputProcessor, url: str, body: Body) -> tuple[list
     except ValueError as e:  # the body models' limits match SamplingParams'; never lose the batch if they drift
         raise PromptError("invalid_value", str(e), "body") from None
     try:
+        params.structured_outputs = structured_outputs(body)
+    except ValueError as e:
+        raise PromptError("invalid_value", str(e), RESPONSE_FORMAT) from None
+    try:
         processor.check(token_ids, params)
     except RequestRejected as e:
-        raise PromptError(e.code, str(e), PROMPT_FIELDS[url]) from None
+        raise PromptError(e.code, str(e), f"body.{e.param}" if e.param else PROMPT_FIELDS[url]) from None
     return token_ids, params
 
 
@@ -60,7 +65,10 @@ def sampling_args(body: Body, room: int) -> dict[str, Any]:
         max_tokens = body.max_tokens or COMPLETION_DEFAULT_MAX_TOKENS
         logprobs = body.logprobs
     optional = dict(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p,
-                    seed=body.seed, stop=body.stop, stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos)
+                    seed=body.seed, stop=body.stop, stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos,
+                    presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
+                    repetition_penalty=body.repetition_penalty, min_tokens=body.min_tokens,
+                    logit_bias=body.logit_bias and {int(t): b for t, b in body.logit_bias.items()})
     return {"max_tokens": max_tokens, "logprobs": logprobs, **{k: v for k, v in optional.items() if v is not None}}
 
 

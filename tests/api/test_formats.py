@@ -93,7 +93,7 @@ def test_completion_top_logprobs_always_hold_the_sampled_token():
 
 def test_documented_fields_sluice_cannot_honour_are_unsupported_not_unknown():
     chat = dict(url=CHAT_URL, messages=[{"role": "user", "content": "hi"}])
-    for field, value in [("response_format", {"type": "json_object"}), ("tools", [{"type": "function"}]),
+    for field, value in [("tools", [{"type": "function"}]),
                          ("tool_choice", "auto"), ("functions", [{"name": "f"}]), ("function_call", "auto"),
                          ("modalities", ["text", "audio"]), ("audio", {"voice": "alloy"}),
                          ("reasoning_effort", "low"), ("stream_options", {"include_usage": True})]:
@@ -112,3 +112,39 @@ def test_documented_fields_left_at_their_default_or_inert_are_accepted():
     assert sampling_args(request.body, room=10) == {"max_tokens": 10, "logprobs": None}
     assert parse_line(line(url=CHAT_URL, messages=[{"role": "user", "content": "hi"}], metadata={"n": 7}),
                       1).code == "invalid_value"
+
+
+def test_penalties_logit_bias_and_min_tokens_map_onto_sampling_args():
+    request = parse_line(line(prompt="p", max_tokens=9, presence_penalty=-2, frequency_penalty=1.5,
+                              repetition_penalty=1.2, min_tokens=9, logit_bias={"0": 100, "50256": -100, "7": 0.5}), 1)
+    assert isinstance(request, BatchRequest)
+    assert sampling_args(request.body, room=100) == {
+        "max_tokens": 9, "logprobs": None, "presence_penalty": -2, "frequency_penalty": 1.5,
+        "repetition_penalty": 1.2, "min_tokens": 9, "logit_bias": {0: 100, 50256: -100, 7: 0.5}}
+    chat = parse_line(line(url=CHAT_URL, messages=[{"role": "user", "content": "hi"}], max_completion_tokens=4,
+                           min_tokens=4, logit_bias={str(i): 1 for i in range(300)}), 1)
+    assert isinstance(chat, BatchRequest) and len(sampling_args(chat.body, room=100)["logit_bias"]) == 300
+
+
+def test_penalties_logit_bias_and_min_tokens_out_of_range_name_the_field_and_limit():
+    chat = dict(url=CHAT_URL, messages=[{"role": "user", "content": "hi"}])
+    cases = [
+        (dict(prompt="p", presence_penalty=2.01), "body.presence_penalty", "less than or equal to 2"),
+        (dict(prompt="p", frequency_penalty=-3), "body.frequency_penalty", "greater than or equal to -2"),
+        (dict(prompt="p", frequency_penalty="1"), "body.frequency_penalty", "valid number"),
+        (dict(prompt="p", repetition_penalty=0), "body.repetition_penalty", "greater than 0"),
+        (dict(prompt="p", logit_bias={"5": 100.5}), "body.logit_bias.5", "less than or equal to 100"),
+        (dict(prompt="p", logit_bias={"5": -101}), "body.logit_bias.5", "greater than or equal to -100"),
+        (dict(prompt="p", logit_bias={"-1": 1}), "body.logit_bias", "token ids (strings of integers >= 0), got '-1'"),
+        (dict(prompt="p", logit_bias={"a": 1}), "body.logit_bias", "got 'a'"),
+        (dict(prompt="p", logit_bias={str(i): 1 for i in range(301)}), "body.logit_bias", "at most 300 items"),
+        (dict(prompt="p", logit_bias=[1]), "body.logit_bias", "valid dictionary"),
+        (dict(prompt="p", min_tokens=-1), "body.min_tokens", "greater than or equal to 0"),
+        (dict(prompt="p", min_tokens=1.5), "body.min_tokens", "valid integer"),
+        (dict(prompt="p", max_tokens=3, min_tokens=4), "body", "min_tokens (4) must be <= max_tokens (3)"),
+        (dict(**chat, max_completion_tokens=3, min_tokens=4), "body", "min_tokens (4) must be <= max_tokens (3)"),
+    ]
+    for body, param, text in cases:
+        error = parse_line(line(**body), 1)
+        assert isinstance(error, LineError), body
+        assert error.code == "invalid_value" and error.param == param and text in error.message, (body, error)

@@ -126,7 +126,10 @@ def test_every_bad_line_is_reported_and_the_rest_runs(tmp_path, llama_dir):
         (bad_body("em", CHAT_URL, messages=[]), "invalid_value", "body.messages"),
         (bad_body("ro", CHAT_URL, messages=[{"role": "tool", "content": "x"}]), "invalid_value",
          "body.messages.0.role"),
-        (bad_body("pe", presence_penalty=0.5), "unsupported_value", "body.presence_penalty"),
+        (bad_body("pe", presence_penalty=2.5), "invalid_value", "body.presence_penalty: Input should be less than or "
+                                                                 "equal to 2"),
+        (bad_body("lb", logit_bias={"5": 1, "99999": 1}), "invalid_value",
+         "body.logit_bias: logit_bias has token id 99999, outside the model's vocabulary"),
         ({**completion("nb"), "body": "hi"}, "invalid_value", "body: Input should be a valid dictionary"),
         (bad_body("long", prompt=[7] * 2100, max_tokens=4), "context_length_exceeded", "max_model_len (2048)"),
         ("", None, None),  # blank lines are skipped, but still counted in line numbers
@@ -146,6 +149,38 @@ def test_every_bad_line_is_reported_and_the_rest_runs(tmp_path, llama_dir):
     by_line = {e["error"]["line"]: e for e in errors}
     assert by_line[8]["custom_id"] == "t1" and by_line[8]["error"]["param"] == "body.temperature"
     assert by_line[2]["custom_id"] is None
+
+
+def test_penalties_logit_bias_and_min_tokens_equal_the_engine_own(tmp_path, llama_dir, reference):
+    vocab = reference.model_config.vocab_size
+    eos = reference.tokenizer.eos_token_id
+    penalties = dict(presence_penalty=1.5, frequency_penalty=0.5, repetition_penalty=1.3)
+    lines = [
+        completion("plain", max_tokens=8, temperature=0),
+        completion("pen", max_tokens=8, temperature=0, **penalties),
+        chat("bias", max_tokens=6, temperature=0, logit_bias={"40": 5, str(eos): -100}),
+        completion("min", max_tokens=6, temperature=0, min_tokens=4, logit_bias={str(eos): 100}),
+        completion("bad", max_tokens=6, logit_bias={str(vocab): 1}),
+    ]
+    code, bodies, errors = sluice_run(tmp_path, lines, llama_dir)
+    assert code == 1 and set(bodies) == {"plain", "pen", "bias", "min"}
+    [error] = [e["error"] for e in errors]
+    assert (error["code"], error["param"], error["line"]) == ("invalid_value", "body.logit_bias", 5)
+    assert f"token id {vocab}, outside the model's vocabulary [0, {vocab})" in error["message"]
+    expected = {
+        "plain": reference.generate("The zen of", greedy(8))[0],
+        "pen": reference.generate("The zen of", greedy(8, **penalties))[0],
+        "bias": reference.chat([{"role": "user", "content": "Hello there"}],
+                               greedy(6, logit_bias={40: 5, eos: -100}))[0],
+        "min": reference.generate("The zen of", greedy(6, min_tokens=4, logit_bias={eos: 100}))[0],
+    }
+    for custom_id, want in expected.items():
+        choice = bodies[custom_id]["choices"][0]
+        assert (choice["message"]["content"] if custom_id == "bias" else choice["text"]) == want.text
+        assert bodies[custom_id]["usage"]["completion_tokens"] == len(want.token_ids)
+    assert want.finish_reason == "stop" and len(want.token_ids) == 5  # min: EOS as soon as min_tokens allow
+    assert expected["pen"].token_ids != expected["plain"].token_ids
+    assert 40 in expected["bias"].token_ids
 
 
 def test_a_chat_template_that_fails_is_an_error_line_per_chat_request(tmp_path, llama_dir):

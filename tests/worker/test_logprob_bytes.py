@@ -43,12 +43,12 @@ def generate(llm: LLM, monkeypatch, detokenize: bool = True) -> tuple[RequestOut
     ids = llm.tokenizer.encode(PROMPT + TEXT)[len(prompt):]
     queue = iter(ids)
 
-    def scripted(logits: torch.Tensor, seqs: list) -> tuple:
+    def scripted(logits: torch.Tensor, seqs: list, *rest) -> tuple:
         logits = logits.clone()
         for row in range(len(seqs)):
             logits[row, ids] += 5.0
             logits[row, next(queue)] = logits[row].max() + 10.0
-        return sample(logits, seqs)
+        return sample(logits, seqs, *rest)
 
     monkeypatch.setattr("sluice.worker.engine.llm.sample", scripted)
     params = SamplingParams(max_tokens=len(ids), temperature=0, logprobs=5, detokenize=detokenize)

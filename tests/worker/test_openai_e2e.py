@@ -115,6 +115,36 @@ def test_openai_sdk_end_to_end(cluster, live, llama_dir):
     assert doomed.request_counts.completed < 40 and doomed.cancelled_at is not None
 
 
+def test_penalties_and_logit_bias_through_the_service(cluster, live, llama_dir):
+    """Mixed lines through the REST API and a GPU worker: plain, penalties, logit_bias, min_tokens, and a logit_bias
+    id outside the vocabulary, which fails its own line only (found by the worker, which has the model)."""
+    url, key = live
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0)
+    cluster.start_worker("--max-num-seqs", "4")
+    llm = LLM(str(llama_dir))
+    vocab, eos = llm.model_config.vocab_size, llm.tokenizer.eos_token_id
+    settings = {"plain": {}, "pen": dict(presence_penalty=1.5, frequency_penalty=0.5, repetition_penalty=1.3),
+                "bias": dict(logit_bias={40: 5.0, eos: -100.0}), "min": dict(min_tokens=4, logit_bias={eos: 100.0})}
+    lines = [chat_line(i, 6, **{k: ({str(t): b for t, b in v.items()} if k == "logit_bias" else v)
+                                for k, v in kwargs.items()}) | {"custom_id": name}
+             for i, (name, kwargs) in enumerate(settings.items())]
+    lines.append(chat_line(4, 6, logit_bias={"3": 1, str(vocab): 2}) | {"custom_id": "bad"})
+    batch = client.batches.create(input_file_id=upload(client, lines), endpoint="/v1/chat/completions",
+                                  completion_window="24h")
+    batch = wait_for(client, batch.id, ("completed",))
+    assert (batch.request_counts.completed, batch.request_counts.failed) == (4, 1)
+    outputs = [json.loads(line) for line in client.files.content(batch.output_file_id).text.splitlines()]
+    got = {o["custom_id"]: o["response"]["body"]["choices"][0]["message"]["content"] for o in outputs}
+    expected = {line["custom_id"]: llm.chat(line["body"]["messages"], SamplingParams(
+        max_tokens=6, temperature=0, **settings[line["custom_id"]]))[0].text for line in lines[:4]}
+    assert got == expected and len(set(expected.values())) == 4
+    [error] = [json.loads(line) for line in client.files.content(batch.error_file_id).text.splitlines()]
+    assert error["custom_id"] == "bad", error
+    assert (error["error"]["code"], error["error"]["param"], error["error"]["line"]) == \
+        ("invalid_value", "body.logit_bias", 5), error
+    assert f"token id {vocab}, outside the model's vocabulary [0, {vocab})" in error["error"]["message"]
+
+
 def test_sluice_serve_on_sqlite_with_the_sdk(tmp_path, llama_dir):
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLUICE_")}

@@ -86,7 +86,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 
 # the `engine` extra's packages by import name (pyproject.toml): `run`, `worker` and `serve` need them; an API host not
-ENGINE_PACKAGES = ("torch", "transformers", "tokenizers", "safetensors", "jinja2", "ninja")
+ENGINE_PACKAGES = ("torch", "transformers", "tokenizers", "safetensors", "jinja2", "ninja", "xgrammar")
 
 
 def require_engine() -> None:

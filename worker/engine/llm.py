@@ -12,13 +12,14 @@ import torch
 from sluice.worker.engine import detokenizer
 from sluice.worker.engine.block_manager import BlockManager
 from sluice.worker.engine.config import EngineConfig, ModelConfig
+from sluice.worker.engine.grammar import Grammars, accept
 from sluice.worker.engine.model_runner import ModelRunner
 from sluice.worker.engine.outputs import RequestOutput
 from sluice.worker.engine.processor import InputProcessor, Prompt, RequestRejected, load_tokenizer, max_model_len
 from sluice.worker.engine.sampler import sample
 from sluice.worker.engine.sampling_params import SamplingParams
 from sluice.worker.engine.scheduler import Scheduler
-from sluice.worker.engine.sequence import Sequence, TokenLogprobs
+from sluice.worker.engine.sequence import Sequence, SequenceStatus, TokenLogprobs
 from sluice.worker.engine.stats import StepStats
 
 
@@ -44,6 +45,8 @@ class LLMEngine:
                                           self.config.enable_prefix_caching)
         self.scheduler = Scheduler(self.config, self.block_manager)
         self.eos_token_ids = self._eos_ids(path)
+        self.grammars = Grammars(self.tokenizer, self.model_config.vocab_size, sorted(self.eos_token_ids),
+                                 self.config.max_num_seqs)
         self.token_text = detokenizer.TokenText.of(self.tokenizer)  # read for every generated token
         self.requests: dict[str, Sequence] = {}
         self._ids = itertools.count()
@@ -89,7 +92,10 @@ class LLMEngine:
         else:
             seq.text = None
         self.requests[request_id] = seq
-        self.scheduler.add(seq)
+        if params.structured_outputs is not None:
+            self.grammars.add(seq)  # scheduled once its grammar has compiled (_admit_grammars)
+        else:
+            self.scheduler.add(seq)
         return request_id
 
     def check(self, token_ids: list[int], params: SamplingParams) -> None:
@@ -120,7 +126,8 @@ class LLMEngine:
         if seq is None:
             return False
         seq.finish_reason = "abort"
-        self.scheduler.finish(seq)
+        if not self.grammars.discard(seq):
+            self.scheduler.finish(seq)
         return True
 
     def reset_prefix_cache(self) -> bool:
@@ -128,19 +135,21 @@ class LLMEngine:
         return self.block_manager.reset_prefix_cache()
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or self.grammars.num_waiting > 0
 
     def step(self, finished_only: bool = False) -> list[RequestOutput]:
         """Run one iteration; return an output for every request that gained a token (finished or not), or only
         for those that finished (a caller that streams nothing: the worker's engine process)."""
         start = time.perf_counter()
+        failed = self._admit_grammars()
         plan = self.scheduler.schedule()
         if not plan.scheduled:
             self.last_step = None  # nothing ran: no stats for the caller to count again
-            return []
+            return failed
         scheduled_at = time.time()  # a request's queue time ends here, not once its first step has run
         logits, sample_seqs = self.runner.run(plan.scheduled)
-        tokens, logprobs = sample(logits, sample_seqs) if sample_seqs else ([], [])
+        self.grammars.mask(logits, sample_seqs)
+        tokens, logprobs = sample(logits, sample_seqs, self.eos_token_ids) if sample_seqs else ([], [])
         now = time.time()
         decode_tokens = 0
         for seq, n in plan.scheduled:
@@ -163,7 +172,21 @@ class LLMEngine:
         for seq in sample_seqs:
             if seq.is_finished:
                 del self.requests[seq.request_id]
-        return outputs
+        return failed + outputs
+
+    def _admit_grammars(self) -> list[RequestOutput]:
+        """Schedule the requests whose grammar has compiled; finish, with an error, those whose grammar failed."""
+        if not self.grammars.num_waiting:
+            return []
+        ready, failed = self.grammars.poll(idle=not self.scheduler.has_work())
+        for seq in ready:
+            self.scheduler.add(seq)
+        now = time.time()
+        for seq, _ in failed:
+            seq.status = SequenceStatus.FINISHED
+            del self.requests[seq.request_id]
+        return [RequestOutput.rejected(seq.request_id, seq.prompt, seq.prompt_token_ids, error, now)
+                for seq, error in failed]
 
     def _count(self, step: StepStats) -> None:
         """Add a step to the running totals that stats() reports."""
@@ -187,13 +210,15 @@ class LLMEngine:
             new = detokenizer.append(self.token_text, seq, token)
             seq.text += new
         reason = None
-        if (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids:
+        generated = len(seq.token_ids) - seq.num_prompt_tokens
+        completed = seq.matcher is not None and accept(seq, token)  # the grammar ends with an eos token
+        if completed or (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids:
             reason = "stop"
             if new:  # the stop token's own text is not output (as vLLM)
                 seq.text = seq.text[:-len(new)]
-        elif p.stop and self._truncate_at_stop(seq, len(new)):
+        elif p.stop and generated >= p.min_tokens and self._truncate_at_stop(seq, len(new)):  # as vLLM
             reason = "stop"
-        elif len(seq.token_ids) - seq.num_prompt_tokens >= p.max_tokens:
+        elif generated >= p.max_tokens:
             reason = "length"
         if reason:
             seq.finish_reason, seq.finish_time = reason, now

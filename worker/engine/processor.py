@@ -16,11 +16,12 @@ Prompt = str | list[int]
 
 
 class RequestRejected(ValueError):
-    """A request the engine can never run; others are unaffected. `code` says why, in OpenAI's terms."""
+    """A request the engine can never run; others are unaffected. `code` says why, in OpenAI's terms; `param` names
+    the SamplingParams field at fault (None: the prompt)."""
 
-    def __init__(self, message: str, code: str = "invalid_prompt"):
+    def __init__(self, message: str, code: str = "invalid_prompt", param: str | None = None):
         super().__init__(message)
-        self.code = code
+        self.code, self.param = code, param
 
 
 def load_tokenizer(path: Path) -> PreTrainedTokenizerBase:
@@ -70,6 +71,10 @@ class InputProcessor:
         vocab = self.model_config.vocab_size
         if min(token_ids) < 0 or max(token_ids) >= vocab:
             raise RequestRejected(f"prompt token ids must be in [0, {vocab})")
+        outside = [t for t in params.logit_bias if t >= vocab]
+        if outside:  # the sampler's index_put would fail the whole step
+            raise RequestRejected(f"logit_bias has token id {outside[0]}, outside the model's vocabulary [0, {vocab})",
+                                  "invalid_value", "logit_bias")
         total = len(token_ids) + params.max_tokens
         if total > self.max_model_len:
             raise RequestRejected(

@@ -2,20 +2,26 @@
 
 from __future__ import annotations
 
+from collections.abc import Set
+
 import torch
 
+from sluice.worker.engine.penalties import process_logits
 from sluice.worker.engine.sequence import Sequence, TokenLogprobs
 
 
-def sample(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[TokenLogprobs | None]]:
-    """logits: [len(seqs), vocab] float32. Returns one token per sequence, plus logprobs where asked."""
+def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: Set[int] = frozenset()
+           ) -> tuple[list[int], list[TokenLogprobs | None]]:
+    """logits: [len(seqs), vocab] float32. Returns one token per sequence, plus logprobs where asked: those of the
+    model's logits, before penalties and logit_bias (vLLM's default)."""
+    raw, logits = logits, process_logits(logits, seqs, eos_token_ids)
     tokens = logits.argmax(dim=-1)
     rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
     if rows:
         idx = torch.tensor(rows, device=logits.device)
         tokens[idx] = _sample_rows(logits[idx], [seqs[i] for i in rows])
     token_list = tokens.tolist()
-    return token_list, _logprobs(logits, seqs, token_list)
+    return token_list, _logprobs(raw, seqs, token_list)
 
 
 def _sample_rows(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:

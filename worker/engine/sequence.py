@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Any
 
 import torch
 
@@ -44,6 +45,7 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)
     generator: torch.Generator | None = None
+    matcher: Any = None  # its grammar's xgrammar GrammarMatcher (structured outputs; grammar.py)
     finish_reason: str | None = None
     text: str | None = ""  # None: not detokenized (SamplingParams.detokenize)
     logprobs: list[TokenLogprobs] = field(default_factory=list)
