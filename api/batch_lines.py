@@ -4,7 +4,7 @@ Bodies accept OpenAI's documented fields for /v1/chat/completions and /v1/comple
 named as vLLM names them (top_k, min_p, ignore_eos, stop_token_ids, repetition_penalty, min_tokens). An unknown
 field, a wrong type or an out-of-range value is an error naming the field (a logit_bias token id outside the model's
 vocabulary is found where the request is translated for the engine); a documented field sluice cannot honour (n > 1,
-stream, echo, suffix, best_of > 1, several prompts in one line, tools, audio, ...) is an
+stream, echo, suffix, best_of > 1, several prompts in one line, tool_choice "auto", audio, ...) is an
 `unsupported_value` error unless left at its default. `model`, `user`, `metadata`, `store` and `service_tier` are
 accepted and ignored: outputs carry the served model's name.
 
@@ -20,11 +20,12 @@ import re
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from sluice.api.response_format import check_response_format
 from sluice.api.text import readable, valid_unicode
+from sluice.api.tools import UnsupportedChoice, check_tools, forced_tools
 
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
@@ -131,9 +132,24 @@ class _SamplingBody(_Strict):
 
 
 class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    # multi-turn tool use: refused by name (below), before a tool-call message's null content is
+    tool_calls: Any = None
+    tool_call_id: Any = None
+    function_call: Any = None
     content: str
     name: str | None = None
+
+    @field_validator("role")
+    @classmethod
+    def _no_tool_results(cls, v):
+        if v in ("tool", "function"):
+            raise _unsupported(f'"{v}" messages (tool results) are not supported: a batch line can force one tool '
+                               "call, not continue a conversation after one")
+        return v
+
+    _no_tool_calls = _refused("tool_calls", "tool_call_id", "function_call",
+                              detail="multi-turn tool use (assistant tool_calls, tool results) is not supported")
 
     @field_validator("content", mode="before")
     @classmethod
@@ -152,12 +168,13 @@ class ChatBody(_SamplingBody):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    parallel_tool_calls: bool | None = None  # means nothing without tools
+    # a forced tool_choice produces one call either way: true and false are both honoured
+    parallel_tool_calls: bool | None = None
     response_format: dict[str, Any] | None = None  # api/response_format.py
+    tools: list[Any] | None = None  # api/tools.py
+    tool_choice: str | dict[str, Any] | None = Field(None, validate_default=True)  # checked against tools
     # documented fields sluice cannot honour: refused by name unless left at their default
-    tools: list[Any] | None = None
     functions: list[Any] | None = None
-    tool_choice: str | dict[str, Any] | None = None
     function_call: str | dict[str, Any] | None = None
     modalities: list[str] | None = None
     audio: Any = None
@@ -175,8 +192,35 @@ class ChatBody(_SamplingBody):
                 raise _invalid(str(e)) from None
         return v
 
-    _no_tools = _refused("tools", "functions", "tool_choice", "function_call", defaults=("none",),
-                         detail='tool calling is not supported; leave it out or set tool_choice to "none"')
+    @field_validator("tools")
+    @classmethod
+    def _tools(cls, v):
+        if v is not None:
+            try:
+                check_tools(v)
+            except ValueError as e:
+                raise _invalid(str(e)) from None
+        return v
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _tool_choice(cls, v, info: ValidationInfo):
+        if "tools" not in info.data:
+            return v  # the tools were invalid: that is the line's error
+        try:
+            forced = forced_tools(v, info.data["tools"])
+        except UnsupportedChoice as e:
+            raise _unsupported(str(e)) from None
+        except ValueError as e:
+            raise _invalid(str(e)) from None
+        if forced and (info.data.get("response_format") or {}).get("type", "text") != "text":
+            raise _unsupported("a forced tool call cannot also follow response_format: the output is the call's "
+                               "JSON; leave response_format out")
+        return v
+
+    _no_functions = _refused("functions", "function_call", defaults=("none",),
+                             detail='the deprecated functions and function_call are not supported; use tools and '
+                                    'tool_choice')
     _text_only = _refused("modalities", defaults=(["text"],),
                           detail='only text output: leave it out or set it to ["text"]')
     _not_supported = _refused("audio", "prediction", "reasoning_effort", "web_search_options",

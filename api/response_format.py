@@ -10,7 +10,7 @@ from typing import Any
 import jsonschema
 
 MAX_SCHEMA_CHARS = 64 * 1024  # the engine's limit too (worker/engine/structured_outputs.py)
-_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for json_schema.name
+NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for json_schema.name and function names
 _JSON_SCHEMA_KEYS = {"name", "schema", "strict", "description"}
 
 
@@ -30,7 +30,7 @@ def check_response_format(value: dict[str, Any]) -> None:
         raise ValueError("json_schema must be an object")
     if unknown := spec.keys() - _JSON_SCHEMA_KEYS:
         raise ValueError(f"json_schema has unknown fields {sorted(unknown)}; it takes {sorted(_JSON_SCHEMA_KEYS)}")
-    if not (isinstance(spec.get("name"), str) and _NAME.fullmatch(spec["name"])):
+    if not (isinstance(spec.get("name"), str) and NAME.fullmatch(spec["name"])):
         raise ValueError("json_schema.name is required: 1 to 64 letters, digits, '_' or '-'")
     if not isinstance(spec.get("strict", False), bool | None) or not isinstance(spec.get("description", ""),
                                                                                 str | None):
@@ -38,13 +38,17 @@ def check_response_format(value: dict[str, Any]) -> None:
     schema = spec.get("schema")
     if schema is None:
         return  # OpenAI's schema is optional: any JSON object
+    check_json_schema(schema, "json_schema.schema")
+
+
+def check_json_schema(schema: Any, where: str) -> None:
+    """Raise ValueError unless `schema` is a JSON-Schema object within the size limit; `where` names it."""
     if not isinstance(schema, dict):
-        raise ValueError("json_schema.schema must be a JSON object")
+        raise ValueError(f"{where} must be a JSON object")
     if (size := len(json.dumps(schema, ensure_ascii=False, separators=(",", ":")))) > MAX_SCHEMA_CHARS:
-        raise ValueError(f"json_schema.schema is {size} characters; the limit is {MAX_SCHEMA_CHARS}")
+        raise ValueError(f"{where} is {size} characters; the limit is {MAX_SCHEMA_CHARS}")
     try:
         jsonschema.validators.validator_for(schema).check_schema(schema)
     except jsonschema.SchemaError as e:
-        where = "/".join(map(str, e.absolute_path))
-        raise ValueError(f"json_schema.schema is not a valid JSON schema{f' at {where}' if where else ''}: "
-                         f"{e.message}") from None
+        at = "/".join(map(str, e.absolute_path))
+        raise ValueError(f"{where} is not a valid JSON schema{f' at {at}' if at else ''}: {e.message}") from None

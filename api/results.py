@@ -1,7 +1,8 @@
 """The result formats: OpenAI response bodies built from finished generations, and the output and error file lines.
 
-A line of the output file carries a response body (chat.completion or text_completion, with usage and logprobs as
-OpenAI shapes them); a line of the error file carries a LineError, with the batch-error fields `param` and `line`.
+A line of the output file carries a response body (chat.completion or text_completion, with usage, logprobs and
+tool_calls as OpenAI shapes them); a line of the error file carries a LineError, with the batch-error fields `param`
+and `line`.
 """
 
 from __future__ import annotations
@@ -35,6 +36,9 @@ class Generation:
     cached_tokens: int
     created: int
     logprobs: list[TokenLogprob] | None = None
+    # OpenAI's message.tool_calls ({"id", "type": "function", "function": {"name", "arguments"}}): set for a forced
+    # call (worker/tool_calls.py), whose text is then not the message's content
+    tool_calls: list[dict] | None = None
 
 
 def _new_id(prefix: str) -> str:
@@ -61,9 +65,12 @@ def chat_completion(gen: Generation, model: str) -> dict:
     logprobs = None
     if gen.logprobs is not None:
         logprobs = {"content": [_content_entry(lp) for lp in gen.logprobs], "refusal": None}
+    message = {"role": "assistant", "content": gen.text, "refusal": None}
+    if gen.tool_calls is not None:
+        message.update(content=None, tool_calls=gen.tool_calls)
     return {
         "id": _new_id("chatcmpl-"), "object": "chat.completion", "created": gen.created, "model": model,
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": gen.text, "refusal": None},
+        "choices": [{"index": 0, "message": message,
                      "logprobs": logprobs, "finish_reason": gen.finish_reason}],
         "usage": _usage(gen),
     }

@@ -20,7 +20,7 @@ from pydantic import ValidationError
 from sqlalchemy.orm import Session, sessionmaker
 
 from sluice.api import store
-from sluice.api.batch_lines import BODIES
+from sluice.api.batch_lines import BODIES, Body
 from sluice.api.dispatch import dispatch
 from sluice.api.results import response_body
 from sluice.worker.bridge import EngineBridge, EngineNotRunning
@@ -31,7 +31,8 @@ from sluice.worker.maintenance import Maintenance
 from sluice.worker.metrics import EngineMetrics
 from sluice.worker.reconcile import STALE_SECONDS
 from sluice.worker.retry import retry_transient
-from sluice.worker.structured import RESPONSE_FORMAT
+from sluice.worker.structured import grammar_param
+from sluice.worker.tool_calls import with_tool_calls
 from sluice.worker.translate import PromptError, Responses, engine_inputs
 
 
@@ -147,12 +148,12 @@ class GpuWorker:
             except (PromptError, ValidationError) as e:
                 results.append(_error(c, getattr(e, "code", "invalid_value"), str(e), getattr(e, "param", "body")))
                 continue
-            runnable.append(c)
+            runnable.append((c, body))
             submits.append(Submit(str(c.id), token_ids, params, c.priority, c.created_at))
         aborted, unrun = [], []
         futures = self.bridge.submit_many(submits)
         wait(futures)  # woken once, when the last has finished, rather than for each in turn
-        for c, future in zip(runnable, futures):
+        for (c, body), future in zip(runnable, futures):
             try:
                 out = future.result()
             except RequestRejected as e:
@@ -162,15 +163,16 @@ class GpuWorker:
             except CancelledError:
                 aborted.append(c.id)
             else:
-                results.append(self._result(c, out) if out.error is None
-                               else _error(c, "invalid_value", out.error, RESPONSE_FORMAT))
+                results.append(self._result(c, body, out) if out.error is None
+                               else _error(c, "invalid_value", out.error, grammar_param(body)))
         return results, aborted, unrun
 
-    def _result(self, c: store.Claimed, out: RequestOutput) -> store.RequestResult:
+    def _result(self, c: store.Claimed, body: Body, out: RequestOutput) -> store.RequestResult:
         m = out.metrics
         since = lambda t: None if t is None else max(t - c.created_at, 0.0)
-        body = response_body(c.url, self.responses.generation(out), self.settings.served_model_name)
-        return store.RequestResult(c.id, response=body, prompt_tokens=len(out.prompt_token_ids),
+        response = response_body(c.url, with_tool_calls(self.responses.generation(out), body),
+                                 self.settings.served_model_name)
+        return store.RequestResult(c.id, response=response, prompt_tokens=len(out.prompt_token_ids),
                                    cached_tokens=out.num_cached_tokens, completion_tokens=len(out.token_ids),
                                    queue_seconds=since(m.first_scheduled_time), ttft_seconds=since(m.first_token_time),
                                    e2e_seconds=since(m.finish_time), gpu_seconds=m.gpu_seconds)

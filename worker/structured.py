@@ -1,18 +1,29 @@
-"""OpenAI's response_format -> the engine's StructuredOutputsParams (and the param of its errors)."""
+"""OpenAI's response_format and forced tool calls -> the engine's StructuredOutputsParams (and the param of its
+errors)."""
 
 from __future__ import annotations
 
 from sluice.api.batch_lines import Body, ChatBody
 from sluice.worker.engine.structured_outputs import StructuredOutputsParams
+from sluice.worker.tool_calls import call_schema, forced
 
 # the param of an error line for a grammar the engine could not compile: a RequestOutput's `error`, set by the engine
 # only for a request it took and then failed, which is only that
 RESPONSE_FORMAT = "body.response_format"
+TOOLS = "body.tools"
+
+
+def grammar_param(body: Body) -> str:
+    """The field whose grammar a failed compile blames: the tools for a forced call (the API refuses a forced call
+    beside a response_format), else response_format."""
+    return TOOLS if forced(body) is not None else RESPONSE_FORMAT
 
 
 def structured_outputs(body: Body) -> StructuredOutputsParams | None:
-    """The grammar a valid body asks for (api/response_format.py checked its shape); ValueError if the engine
-    would refuse it."""
+    """The grammar a valid body asks for (api/response_format.py and api/tools.py checked its shape); ValueError if
+    the engine would refuse it."""
+    if (tools := forced(body)) is not None:
+        return StructuredOutputsParams(json=call_schema(tools))
     fmt = body.response_format if isinstance(body, ChatBody) else None
     if fmt is None or fmt["type"] == "text":
         return None

@@ -18,7 +18,7 @@ from sluice.api.batch_lines import CHAT_URL, PROMPT_FIELDS, Body, ChatBody
 from sluice.api.results import Generation, TokenLogprob
 from sluice.worker.engine import InputProcessor, RequestOutput, RequestRejected, SamplingParams
 from sluice.worker.engine.detokenizer import TokenText, decode, decoder_types
-from sluice.worker.structured import RESPONSE_FORMAT, structured_outputs
+from sluice.worker.structured import grammar_param, structured_outputs
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the rest of the context
 
@@ -35,7 +35,7 @@ def engine_inputs(processor: InputProcessor, url: str, body: Body) -> tuple[list
     """The prompt's token ids (chat template applied) and sampling parameters; PromptError if it cannot run."""
     if url == CHAT_URL:
         try:
-            token_ids = processor.encode_chat(chat_messages(body))
+            token_ids = processor.encode_chat(chat_messages(body), body.tools)
         except Exception as e:  # the template is the model's code: any error in it fails this line only (as vLLM)
             raise PromptError("invalid_prompt", f"the chat template failed: {e}", "body.messages") from None
     else:
@@ -47,7 +47,7 @@ def engine_inputs(processor: InputProcessor, url: str, body: Body) -> tuple[list
     try:
         params.structured_outputs = structured_outputs(body)
     except ValueError as e:
-        raise PromptError("invalid_value", str(e), RESPONSE_FORMAT) from None
+        raise PromptError("invalid_value", str(e), grammar_param(body)) from None
     try:
         processor.check(token_ids, params)
     except RequestRejected as e:

@@ -93,14 +93,16 @@ def test_completion_top_logprobs_always_hold_the_sampled_token():
 
 def test_documented_fields_sluice_cannot_honour_are_unsupported_not_unknown():
     chat = dict(url=CHAT_URL, messages=[{"role": "user", "content": "hi"}])
-    for field, value in [("tools", [{"type": "function"}]),
-                         ("tool_choice", "auto"), ("functions", [{"name": "f"}]), ("function_call", "auto"),
+    for field, value in [("tool_choice", "auto"), ("functions", [{"name": "f"}]), ("function_call", "auto"),
                          ("modalities", ["text", "audio"]), ("audio", {"voice": "alloy"}),
                          ("reasoning_effort", "low"), ("stream_options", {"include_usage": True})]:
         error = parse_line(line(**chat, **{field: value}), 1)
         assert (error.code, error.param) == ("unsupported_value", f"body.{field}"), (field, error)
     error = parse_line(line(prompt="p", stream_options={"include_usage": True}), 1)
     assert (error.code, error.param) == ("unsupported_value", "body.stream_options")
+    # tools without tool_choice mean OpenAI's "auto" (tests/api/test_tools.py has the rest)
+    error = parse_line(line(**chat, tools=[{"type": "function", "function": {"name": "f"}}]), 1)
+    assert (error.code, error.param) == ("unsupported_value", "body.tool_choice")
 
 
 def test_documented_fields_left_at_their_default_or_inert_are_accepted():

@@ -124,7 +124,9 @@ def test_every_bad_line_is_reported_and_the_rest_runs(tmp_path, llama_dir):
         (bad_body("tl", CHAT_URL, logprobs=True, top_logprobs=25), "invalid_value", "body.top_logprobs"),
         (bad_body("lp", logprobs=6), "invalid_value", "body.logprobs"),
         (bad_body("em", CHAT_URL, messages=[]), "invalid_value", "body.messages"),
-        (bad_body("ro", CHAT_URL, messages=[{"role": "tool", "content": "x"}]), "invalid_value",
+        (bad_body("ro", CHAT_URL, messages=[{"role": "tool", "content": "x"}]), "unsupported_value",
+         "body.messages.0.role"),
+        (bad_body("rw", CHAT_URL, messages=[{"role": "wizard", "content": "x"}]), "invalid_value",
          "body.messages.0.role"),
         (bad_body("pe", presence_penalty=2.5), "invalid_value", "body.presence_penalty: Input should be less than or "
                                                                  "equal to 2"),

@@ -44,8 +44,10 @@ class InputProcessor:
     def encode(self, prompt: Prompt) -> list[int]:
         return self.token_ids(prompt, special=True) if isinstance(prompt, str) else list(prompt)
 
-    def encode_chat(self, messages: list[dict]) -> list[int]:
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        """`tools` in OpenAI's shape, as transformers takes them; a template that does not read them ignores them."""
+        text = self.tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False,
+                                                  add_generation_prompt=True)
         return self.token_ids(text, special=False)
 
     def token_ids(self, text: str, special: bool) -> list[int]:
