@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
@@ -40,6 +41,16 @@ def _unsupported(detail: str) -> PydanticCustomError:
 
 def _invalid(detail: str) -> PydanticCustomError:
     return PydanticCustomError("invalid_value", "{detail}", {"detail": detail})
+
+
+def _checked(check: Callable[[Any], None], value: Any) -> Any:
+    """A field validator's value once `check` (which raises ValueError naming the problem) accepts it."""
+    if value is not None:
+        try:
+            check(value)
+        except ValueError as e:
+            raise _invalid(str(e)) from None
+    return value
 
 
 def _refused(*fields: str, detail: str, defaults: tuple = ()):
@@ -185,22 +196,12 @@ class ChatBody(_SamplingBody):
     @field_validator("response_format")
     @classmethod
     def _response_format(cls, v):
-        if v is not None:
-            try:
-                check_response_format(v)
-            except ValueError as e:
-                raise _invalid(str(e)) from None
-        return v
+        return _checked(check_response_format, v)
 
     @field_validator("tools")
     @classmethod
     def _tools(cls, v):
-        if v is not None:
-            try:
-                check_tools(v)
-            except ValueError as e:
-                raise _invalid(str(e)) from None
-        return v
+        return _checked(check_tools, v)
 
     @field_validator("tool_choice")
     @classmethod
