@@ -3,10 +3,10 @@
 Bodies accept OpenAI's documented fields for /v1/chat/completions and /v1/completions plus six sluice extensions
 named as vLLM names them (top_k, min_p, ignore_eos, stop_token_ids, repetition_penalty, min_tokens). An unknown
 field, a wrong type or an out-of-range value is an error naming the field (a logit_bias token id outside the model's
-vocabulary is found where the request is translated for the engine); a documented field sluice cannot honour (n > 1,
-stream, echo, suffix, best_of > 1, several prompts in one line, tool_choice "auto", audio, ...) is an
-`unsupported_value` error unless left at its default. `model`, `user`, `metadata`, `store` and `service_tier` are
-accepted and ignored: outputs carry the served model's name.
+vocabulary is found where the request is translated for the engine); a documented field sluice cannot honour (stream,
+echo, suffix, best_of > 1, n > 1 with structured outputs, several prompts in one line, tool_choice "auto", audio,
+...) is an `unsupported_value` error unless left at its default. `model`, `user`, `metadata`, `store` and
+`service_tier` are accepted and ignored: outputs carry the served model's name.
 
 Error codes: invalid_json_line, missing_required_parameter, unknown_parameter, invalid_value, unsupported_value,
 invalid_url, invalid_method, duplicate_custom_id, context_length_exceeded (prompt plus max_tokens longer than the
@@ -81,7 +81,7 @@ class _SamplingBody(_Strict):
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
-    n: int | None = None
+    n: int | None = Field(None, ge=1, le=128)  # choices from one prefill of the prompt
     stop: list[Annotated[str, Field(min_length=1)]] | None = Field(None, max_length=4)
     seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
@@ -107,13 +107,6 @@ class _SamplingBody(_Strict):
     @classmethod
     def _stop_list(cls, v):
         return [v] if isinstance(v, str) else v
-
-    @field_validator("n")
-    @classmethod
-    def _one_choice(cls, v):
-        if v not in (None, 1):
-            raise _unsupported(f"n={v}: one choice per request; put each extra sample on its own line")
-        return v
 
     _no_stream = _refused("stream", detail="stream must be false in a batch")
     _no_stream_options = _refused("stream_options",
@@ -233,6 +226,11 @@ class ChatBody(_SamplingBody):
             raise _invalid("set max_tokens or max_completion_tokens, not both")
         if self.top_logprobs is not None and not self.logprobs:
             raise _invalid("top_logprobs needs logprobs: true")
+        forced = self.tool_choice not in (None, "none")
+        structured = forced or (self.response_format or {}).get("type", "text") != "text"
+        if (self.n or 1) > 1 and structured:
+            raise _unsupported(f"n={self.n} with response_format or a forced tool_choice: the engine constrains one "
+                               "choice per request; set n to 1 or put each sample on its own line")
         return self
 
 

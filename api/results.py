@@ -39,6 +39,9 @@ class Generation:
     # OpenAI's message.tool_calls ({"id", "type": "function", "function": {"name", "arguments"}}): set for a forced
     # call (worker/tool_calls.py), whose text is then not the message's content
     tool_calls: list[dict] | None = None
+    # n > 1: each choice's generation, in index order (their usage fields unused: the request's above count the
+    # prompt once and the completion tokens over every choice)
+    choices: list[Generation] | None = None
 
 
 def _new_id(prefix: str) -> str:
@@ -62,18 +65,21 @@ def _content_entry(lp: TokenLogprob) -> dict:
 
 
 def chat_completion(gen: Generation, model: str) -> dict:
+    return {
+        "id": _new_id("chatcmpl-"), "object": "chat.completion", "created": gen.created, "model": model,
+        "choices": [_chat_choice(i, g) for i, g in enumerate(gen.choices or [gen])],
+        "usage": _usage(gen),
+    }
+
+
+def _chat_choice(index: int, gen: Generation) -> dict:
     logprobs = None
     if gen.logprobs is not None:
         logprobs = {"content": [_content_entry(lp) for lp in gen.logprobs], "refusal": None}
     message = {"role": "assistant", "content": gen.text, "refusal": None}
     if gen.tool_calls is not None:
         message.update(content=None, tool_calls=gen.tool_calls)
-    return {
-        "id": _new_id("chatcmpl-"), "object": "chat.completion", "created": gen.created, "model": model,
-        "choices": [{"index": 0, "message": message,
-                     "logprobs": logprobs, "finish_reason": gen.finish_reason}],
-        "usage": _usage(gen),
-    }
+    return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": gen.finish_reason}
 
 
 def _top_with_sampled(lp: TokenLogprob) -> dict[str, float]:
@@ -82,17 +88,21 @@ def _top_with_sampled(lp: TokenLogprob) -> dict[str, float]:
 
 
 def text_completion(gen: Generation, model: str) -> dict:
+    return {
+        "id": _new_id("cmpl-"), "object": "text_completion", "created": gen.created, "model": model,
+        "choices": [_text_choice(i, g) for i, g in enumerate(gen.choices or [gen])],
+        "usage": _usage(gen),
+    }
+
+
+def _text_choice(index: int, gen: Generation) -> dict:
     logprobs = None
     if gen.logprobs is not None:
         tokens = [lp.token for lp in gen.logprobs]
         offsets = list(accumulate(map(len, tokens), initial=0))[:-1]  # into the completion's text
         logprobs = {"tokens": tokens, "token_logprobs": [lp.logprob for lp in gen.logprobs],
                     "top_logprobs": [_top_with_sampled(lp) for lp in gen.logprobs], "text_offset": offsets}
-    return {
-        "id": _new_id("cmpl-"), "object": "text_completion", "created": gen.created, "model": model,
-        "choices": [{"text": gen.text, "index": 0, "logprobs": logprobs, "finish_reason": gen.finish_reason}],
-        "usage": _usage(gen),
-    }
+    return {"text": gen.text, "index": index, "logprobs": logprobs, "finish_reason": gen.finish_reason}
 
 
 RESPONSE_BUILDERS = {CHAT_URL: chat_completion, COMPLETIONS_URL: text_completion}

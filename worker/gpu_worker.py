@@ -173,7 +173,7 @@ class GpuWorker:
         response = response_body(c.url, with_tool_calls(self.responses.generation(out), body),
                                  self.settings.served_model_name)
         return store.RequestResult(c.id, response=response, prompt_tokens=len(out.prompt_token_ids),
-                                   cached_tokens=out.num_cached_tokens, completion_tokens=len(out.token_ids),
+                                   cached_tokens=out.num_cached_tokens, completion_tokens=out.num_completion_tokens,
                                    queue_seconds=since(m.first_scheduled_time), ttft_seconds=since(m.first_token_time),
                                    e2e_seconds=since(m.finish_time), gpu_seconds=m.gpu_seconds)
 

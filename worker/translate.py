@@ -64,7 +64,7 @@ def sampling_args(body: Body, room: int) -> dict[str, Any]:
     else:
         max_tokens = body.max_tokens or COMPLETION_DEFAULT_MAX_TOKENS
         logprobs = body.logprobs
-    optional = dict(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p,
+    optional = dict(n=body.n, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p,
                     seed=body.seed, stop=body.stop, stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos,
                     presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
                     repetition_penalty=body.repetition_penalty, min_tokens=body.min_tokens,
@@ -118,6 +118,17 @@ class Responses:
         self.anchor_text = tokenizer.decode(self.anchor)
 
     def generation(self, out: RequestOutput) -> Generation:
+        """The request's generation; for n > 1 its choices' in `choices`, with usage counting the prompt once."""
+        if not out.choices:
+            return self._choice(out)
+        choices = [self._choice(c) for c in out.choices]
+        first = choices[0]
+        return Generation(text=first.text, finish_reason=first.finish_reason, prompt_tokens=first.prompt_tokens,
+                          completion_tokens=out.num_completion_tokens, cached_tokens=out.num_cached_tokens,
+                          created=int(out.metrics.finish_time or time.time()), logprobs=first.logprobs,
+                          choices=choices)
+
+    def _choice(self, out: RequestOutput) -> Generation:
         logprobs = None
         if out.logprobs is not None:
             logprobs = [TokenLogprob(self._token(lp.token_id), lp.logprob, [(self._token(t), v) for t, v in lp.top],

@@ -35,7 +35,8 @@ def test_a_single_request_is_queued_published_and_answered(api, tenant_key):
      "at least 1"),
     ({"endpoint": "/v1/chat/completions", "body": {"messages": [{"role": "user", "content": "x"}]}}, 400,
      "body.model", "required"),
-    ({"endpoint": "/v1/completions", "body": {"model": "tiny", "prompt": "x", "n": 2}}, 400, "body.n", "one choice"),
+    ({"endpoint": "/v1/completions", "body": {"model": "tiny", "prompt": "x", "n": 129}}, 400, "body.n",
+     "less than or equal to 128"),
     ({"endpoint": "/v1/embeddings", "body": {"model": "tiny", "input": "x"}}, 400, "endpoint", "not supported"),
     ({"endpoint": "/v1/completions", "body": {"model": "huge", "prompt": "x"}}, 404, "body.model", "not served"),
     ({"endpoint": "/v1/completions"}, 400, "body", "required"),
@@ -58,7 +59,7 @@ def test_unknown_request_is_404(api, tenant_key):
 @pytest.mark.parametrize("body, code, param", [
     ({"model": "tiny", "prompt": "x", "colour": "red"}, "unknown_parameter", "body.colour"),
     ({"prompt": "x"}, "missing_required_parameter", "body.model"),
-    ({"model": "tiny", "prompt": "x", "n": 2}, "unsupported_value", "body.n"),
+    ({"model": "tiny", "prompt": "x", "n": 0}, "invalid_value", "body.n"),
     ({"model": "\ud800", "prompt": "x"}, "invalid_value", None),
     ({"model": "tiny", "prompt": "\ud83d"}, "invalid_value", None),
 ])

@@ -150,3 +150,28 @@ def test_penalties_logit_bias_and_min_tokens_out_of_range_name_the_field_and_lim
         error = parse_line(line(**body), 1)
         assert isinstance(error, LineError), body
         assert error.code == "invalid_value" and error.param == param and text in error.message, (body, error)
+
+
+def test_n_is_1_to_128_and_refused_with_structured_outputs():
+    chat = dict(url=CHAT_URL, messages=[{"role": "user", "content": "hi"}])
+    tool = {"type": "function", "function": {"name": "ping", "parameters": {"type": "object"}}}
+    assert sampling_args(parse_line(line(prompt="x", n=128), 1).body, room=10)["n"] == 128
+    assert isinstance(parse_line(line(**chat, n=3, logprobs=True, top_logprobs=2, tools=[tool], tool_choice="none"),
+                                 1), BatchRequest)
+    for n in (0, 129, "two"):
+        error = parse_line(line(prompt="x", n=n), 1)
+        assert (error.code, error.param) == ("invalid_value", "body.n"), error
+    for extra in (dict(response_format={"type": "json_object"}), dict(tools=[tool], tool_choice="required")):
+        error = parse_line(line(**chat, n=2, **extra), 1)
+        assert error.code == "unsupported_value" and "n=2 with response_format or a forced tool_choice" in error.message
+
+
+def test_n_choices_each_have_their_index_and_usage_counts_the_prompt_once():
+    choices = [Generation(text=t, finish_reason=r, prompt_tokens=5, completion_tokens=c, cached_tokens=0, created=1)
+               for t, r, c in [("a", "stop", 1), ("bc", "length", 2)]]
+    gen = Generation(text="a", finish_reason="stop", prompt_tokens=5, completion_tokens=3, cached_tokens=0, created=1,
+                     choices=choices)
+    for body in (chat_completion(gen, "m"), text_completion(gen, "m")):
+        assert [(c["index"], c["finish_reason"]) for c in body["choices"]] == [(0, "stop"), (1, "length")]
+        assert body["usage"]["prompt_tokens"] == 5 and body["usage"]["total_tokens"] == 8
+    assert [c["message"]["content"] for c in chat_completion(gen, "m")["choices"]] == ["a", "bc"]

@@ -99,6 +99,31 @@ def test_outputs_equal_the_engine_own(tmp_path, llama_dir, reference):
     assert bodies["c1"]["choices"][0]["message"]["role"] == "assistant"
 
 
+def test_n_choices_have_their_indices_their_seeds_and_usage_counting_the_prompt_once(tmp_path, llama_dir,
+                                                                                     reference):
+    content = "Beautiful is better than ugly. Explicit is better than implicit. Simple is better than complex."
+    lines = [chat("c3", content, n=3, max_tokens=6, temperature=0.9, seed=5, logprobs=True, top_logprobs=2),
+             completion("p2", "The zen of", n=2, max_tokens=4, temperature=0.8, seed=9, logprobs=1),
+             chat("c1", content, n=1, max_tokens=6, temperature=0)]
+    code, bodies, errors = sluice_run(tmp_path, lines, llama_dir, "--max-num-seqs", "2")
+    assert (code, errors) == (0, [])
+    messages = [{"role": "user", "content": content}]
+    for custom_id, n, seed, run in [("c3", 3, 5, lambda p: reference.chat(messages, p)[0]),
+                                    ("p2", 2, 9, lambda p: reference.generate("The zen of", p)[0])]:
+        body = bodies[custom_id]
+        assert [c["index"] for c in body["choices"]] == list(range(n))
+        wants = [run(SamplingParams(max_tokens=6 if n == 3 else 4, temperature=0.9 if n == 3 else 0.8, seed=seed + i))
+                 for i in range(n)]
+        for choice, want in zip(body["choices"], wants, strict=True):
+            assert (choice["message"]["content"] if n == 3 else choice["text"]) == want.text
+            assert choice["finish_reason"] == want.finish_reason and choice["logprobs"] is not None
+        usage = body["usage"]
+        assert usage["prompt_tokens"] == len(wants[0].prompt_token_ids)  # once, not n times
+        assert usage["completion_tokens"] == sum(len(w.token_ids) for w in wants)
+        assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+    assert len(bodies["c1"]["choices"]) == 1 and bodies["c1"]["choices"][0]["index"] == 0
+
+
 def test_every_bad_line_is_reported_and_the_rest_runs(tmp_path, llama_dir):
     def bad_body(custom_id: str, url: str = COMPLETIONS_URL, **body) -> dict:
         base = {"messages": [{"role": "user", "content": "hi"}]} if url == CHAT_URL else {"prompt": "hi"}
@@ -116,7 +141,9 @@ def test_every_bad_line_is_reported_and_the_rest_runs(tmp_path, llama_dir):
         (bad_body("t2", temperature=2.5), "invalid_value", "body.temperature: Input should be less than or equal to 2"),
         (bad_body("t3", top_p=0), "invalid_value", "body.top_p"),
         (bad_body("t4", max_tokens=0), "invalid_value", "body.max_tokens"),
-        (bad_body("n2", n=2), "unsupported_value", "body.n: n=2"),
+        (bad_body("n0", n=0), "invalid_value", "body.n: Input should be greater than or equal to 1"),
+        (bad_body("n9", n=129), "invalid_value", "body.n: Input should be less than or equal to 128"),
+        (bad_body("nj", CHAT_URL, n=2, response_format={"type": "json_object"}), "unsupported_value", "n=2 with"),
         (bad_body("st", stream=True), "unsupported_value", "body.stream"),
         (bad_body("uf", frobnicate=1), "unknown_parameter", "body.frobnicate: unknown field"),
         (bad_body("s5", stop=["a", "b", "c", "d", "e"]), "invalid_value", "body.stop"),

@@ -96,6 +96,14 @@ class BlockManager:
         for _ in range(need):
             seq.block_table.append(self._take_free())
 
+    def share(self, src: Sequence, dst: Sequence) -> None:
+        """Give dst (a forked choice, holding no blocks) src's blocks by reference; each is freed by its last holder."""
+        assert not dst.block_table
+        for block_id in src.block_table:
+            self._ref(block_id)
+        dst.block_table = list(src.block_table)
+        dst.block_hashes = list(src.block_hashes)
+
     def commit_full_blocks(self, seq: Sequence) -> None:
         """Register the sequence's newly filled blocks in the prefix cache."""
         if not self.enable_prefix_caching:

@@ -11,6 +11,7 @@ import torch
 
 from sluice.worker.engine import detokenizer
 from sluice.worker.engine.block_manager import BlockManager
+from sluice.worker.engine.choices import Choices, choice_seed
 from sluice.worker.engine.config import EngineConfig, ModelConfig
 from sluice.worker.engine.grammar import Grammars, accept
 from sluice.worker.engine.model_runner import ModelRunner
@@ -48,7 +49,8 @@ class LLMEngine:
         self.grammars = Grammars(self.tokenizer, self.model_config.vocab_size, sorted(self.eos_token_ids),
                                  self.config.max_num_seqs)
         self.token_text = detokenizer.TokenText.of(self.tokenizer)  # read for every generated token
-        self.requests: dict[str, Sequence] = {}
+        self.requests: dict[str, Sequence | Choices] = {}
+        self.num_parents = 0  # n > 1 requests whose prompt is still prefilling: a step checks for forks only then
         self._ids = itertools.count()
         self.counters = dict.fromkeys(("num_steps", "num_prefill_tokens", "num_decode_tokens", "num_preemptions",
                                        "prefix_cache_queries", "prefix_cache_hits"), 0)
@@ -83,20 +85,66 @@ class LLMEngine:
             raise ValueError(f"request_id {request_id!r} is already in the engine")
         token_ids = self.encode(prompt)
         self.check(token_ids, params)
-        seq = Sequence(request_id, token_ids, params, time.time() if arrival_time is None else arrival_time, priority,
-                       prompt if isinstance(prompt, str) else None)
-        if params.seed is not None:
-            seq.generator = torch.Generator(device=self.runner.device).manual_seed(params.seed)
-        if params.detokenize:
-            detokenizer.start(self.tokenizer, seq, self.token_text)
-        else:
-            seq.text = None
+        arrival_time = time.time() if arrival_time is None else arrival_time
+        text = prompt if isinstance(prompt, str) else None
+        if params.n > 1:
+            self._add_choices(Choices(request_id, text, token_ids, params, arrival_time, priority))
+            return request_id
+        seq = self._new_sequence(request_id, token_ids, params, arrival_time, priority, text, params.seed)
         self.requests[request_id] = seq
         if params.structured_outputs is not None:
             self.grammars.add(seq)  # scheduled once its grammar has compiled (_admit_grammars)
         else:
             self.scheduler.add(seq)
         return request_id
+
+    def _new_sequence(self, request_id: str, token_ids: list[int], params: SamplingParams, arrival_time: float,
+                      priority: int, prompt: str | None, seed: int | None) -> Sequence:
+        seq = Sequence(request_id, token_ids, params, arrival_time, priority, prompt)
+        if seed is not None:
+            seq.generator = torch.Generator(device=self.runner.device).manual_seed(seed)
+        if params.detokenize:
+            detokenizer.start(self.tokenizer, seq, self.token_text)
+        else:
+            seq.text = None
+        return seq
+
+    def _add_choices(self, group: Choices) -> None:
+        """Queue an n > 1 request: a parent that prefills the prompt's full blocks, or, with none to share, the
+        choices themselves. The parent stops short of the prompt's last token, which each choice computes."""
+        if group.params.structured_outputs is not None:
+            raise ValueError("n > 1 with structured outputs is not supported")
+        self.requests[group.request_id] = group
+        shared = (len(group.prompt_token_ids) - 1) // self.block_manager.block_size * self.block_manager.block_size
+        if shared:
+            group.parent = Sequence(group.request_id, group.prompt_token_ids[:shared], group.params,
+                                    group.arrival_time, group.priority, group=group)
+            self.num_parents += 1
+            self.scheduler.add(group.parent)
+            return
+        self._new_choices(group)
+        for seq in group.choices:
+            self.scheduler.add(seq)
+
+    def _new_choices(self, group: Choices) -> None:
+        for i in range(group.params.n):
+            seq = self._new_sequence(group.request_id, group.prompt_token_ids, group.params, group.arrival_time,
+                                     group.priority, group.prompt, choice_seed(group.params.seed, i))
+            seq.group = group
+            group.choices.append(seq)
+
+    def _fork(self, parent: Sequence) -> None:
+        """The parent has prefilled its blocks: hand them to every choice by reference and retire the parent."""
+        group = parent.group
+        self._new_choices(group)
+        for seq in group.choices:
+            self.block_manager.share(parent, seq)
+            seq.num_computed_tokens = parent.num_computed_tokens
+            seq.first_scheduled_time = parent.first_scheduled_time
+            self.scheduler.add(seq)  # admitted under max_num_seqs like any request, keeping its blocks
+        group.take_parent()
+        self.num_parents -= 1
+        self.scheduler.finish(parent)
 
     def check(self, token_ids: list[int], params: SamplingParams) -> None:
         self.processor.check(token_ids, params)
@@ -122,12 +170,15 @@ class LLMEngine:
             self.block_manager.free(seq)
 
     def abort(self, request_id: str) -> bool:
-        seq = self.requests.pop(request_id, None)
-        if seq is None:
+        request = self.requests.pop(request_id, None)
+        if request is None:
             return False
-        seq.finish_reason = "abort"
-        if not self.grammars.discard(seq):
-            self.scheduler.finish(seq)
+        if isinstance(request, Choices):
+            self.num_parents -= request.parent is not None
+        for seq in request.sequences() if isinstance(request, Choices) else [request]:
+            seq.finish_reason = "abort"
+            if not self.grammars.discard(seq):
+                self.scheduler.finish(seq)
         return True
 
     def reset_prefix_cache(self) -> bool:
@@ -148,6 +199,9 @@ class LLMEngine:
             return failed
         scheduled_at = time.time()  # a request's queue time ends here, not once its first step has run
         logits, sample_seqs = self.runner.run(plan.scheduled)
+        parents: list[Sequence] = []
+        if self.num_parents:
+            logits, sample_seqs, parents = _without_parents(logits, sample_seqs)
         self.grammars.mask(logits, sample_seqs)
         tokens, logprobs = sample(logits, sample_seqs, self.eos_token_ids) if sample_seqs else ([], [])
         now = time.time()
@@ -164,15 +218,25 @@ class LLMEngine:
         total = plan.num_tokens
         for seq, n in plan.scheduled:
             seq.gpu_seconds += elapsed * n / total
+        for parent in parents:  # after its share of this step is counted
+            self._fork(parent)
         self.last_step = StepStats(elapsed, len(plan.scheduled), total, len(sample_seqs), total - decode_tokens,
                                    decode_tokens, len(plan.preempted), plan.prefix_queries, plan.prefix_hits,
                                    self.block_manager.num_used_blocks)
         self._count(self.last_step)
-        outputs = [RequestOutput.from_seq(seq) for seq in sample_seqs if seq.is_finished or not finished_only]
-        for seq in sample_seqs:
-            if seq.is_finished:
-                del self.requests[seq.request_id]
-        return failed + outputs
+        return failed + self._outputs(sample_seqs, finished_only)
+
+    def _outputs(self, sample_seqs: list[Sequence], finished_only: bool) -> list[RequestOutput]:
+        """One output per request that sampled (an n > 1 request once, with all its choices); finished ones leave."""
+        outputs = []
+        for request in dict.fromkeys(seq.group or seq for seq in sample_seqs):
+            finished = request.is_finished
+            if finished or not finished_only:
+                outputs.append(RequestOutput.from_choices(request) if isinstance(request, Choices)
+                               else RequestOutput.from_seq(request))
+            if finished:
+                del self.requests[request.request_id]
+        return outputs
 
     def _admit_grammars(self) -> list[RequestOutput]:
         """Schedule the requests whose grammar has compiled; finish, with an error, those whose grammar failed."""
@@ -251,6 +315,16 @@ class LLMEngine:
             "quantization": self.config.quantization,
             "busy_seconds": self.busy_seconds,
         }
+
+
+def _without_parents(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[torch.Tensor, list[Sequence],
+                                                                         list[Sequence]]:
+    """Split off the n > 1 parents that finished prefilling: they fork instead of sampling."""
+    parents = [seq for seq in seqs if seq.group is not None and seq is seq.group.parent]
+    if not parents:
+        return logits, seqs, []
+    keep = [i for i, seq in enumerate(seqs) if seq.group is None or seq is not seq.group.parent]
+    return logits[keep], [seqs[i] for i in keep], parents
 
 
 class LLM(LLMEngine):

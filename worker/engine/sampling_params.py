@@ -31,6 +31,7 @@ class SamplingParams:
     # (detokenizer.decode gives the same text): the worker does so on its task threads, off the engine's process
     detokenize: bool = True
     structured_outputs: StructuredOutputsParams | None = None  # the grammar the output must match (grammar.py)
+    n: int = 1  # choices sampled from one prefill of the prompt (choices.py)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -63,6 +64,7 @@ class SamplingParams:
             (self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
              "logprobs must be an integer in [0, 20]"),
             (isinstance(self.detokenize, bool), "detokenize must be a boolean"),
+            (isinstance(self.n, int) and 1 <= self.n <= 128, "n must be an integer in [1, 128]"),
             (self.detokenize or not self.stop, "stop strings need detokenize=True: they are matched in the text"),
         ]
         for ok, message in checks:

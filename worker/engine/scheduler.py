@@ -109,7 +109,8 @@ class _Step:
             seq = self.s.peek_waiting()
             if seq is None:
                 return
-            cached = self.bm.match_prefix(seq)
+            forked = bool(seq.block_table)  # a forked choice comes with its prompt's shared blocks computed
+            cached = seq.num_computed_tokens if forked else self.bm.match_prefix(seq)
             seq.num_computed_tokens = cached
             n = min(seq.num_remaining, self.budget, self.bm.tokens_that_fit(seq))
             if n <= 0:
@@ -120,8 +121,9 @@ class _Step:
             self.s.num_waiting -= 1
             if seq.num_preemptions == 0:
                 seq.num_cached_tokens = cached
-            self.out.prefix_queries += seq.num_tokens
-            self.out.prefix_hits += cached
+            if not forked:
+                self.out.prefix_queries += seq.num_tokens
+                self.out.prefix_hits += cached
             seq.status = SequenceStatus.RUNNING
             self.s.running.append(seq)
             self._take(seq, n)

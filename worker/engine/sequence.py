@@ -58,6 +58,7 @@ class Sequence:
     finish_time: float | None = None
     gpu_seconds: float = 0.0
     num_preemptions: int = 0
+    group: Any = None  # the Choices (choices.py) of an n > 1 request this sequence is the parent or a choice of
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
