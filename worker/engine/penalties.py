@@ -34,9 +34,10 @@ def process_logits(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: Se
 
 
 def _active(seq: Sequence) -> bool:
+    """Checked for every row of every step: plain attribute tests first, min_tokens' count only where it is set."""
     p = seq.params
     return bool(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1 or p.logit_bias
-                or _under_min_tokens(seq))
+                or (p.min_tokens and _under_min_tokens(seq)))
 
 
 def _under_min_tokens(seq: Sequence) -> bool:
