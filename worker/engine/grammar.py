@@ -130,10 +130,8 @@ class Grammars:
     def _compile(self, spec: StructuredOutputsParams, job: _Compile) -> xgr.CompiledGrammar:
         job.started = time.perf_counter()
         compiler = self._get_compiler()
-        if spec.json is not None:
-            grammar = compiler.compile_grammar(json_schema_ebnf(spec.json))
-        elif spec.json_object:
-            grammar = compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
+        if spec.json is not None or spec.json_object:  # json_object: any object, through the same narrowed rules
+            grammar = compiler.compile_grammar(json_schema_ebnf(spec.json or '{"type": "object"}'))
         elif spec.regex is not None:
             grammar = compiler.compile_regex(spec.regex)
         else:  # choice: EBNF string literals take JSON's escapes
