@@ -22,7 +22,6 @@ from sqlalchemy.orm import Session, sessionmaker
 from sluice.api import store
 from sluice.api.batch_lines import BODIES, Body
 from sluice.api.dispatch import dispatch
-from sluice.api.results import response_body
 from sluice.worker.bridge import EngineBridge, EngineNotRunning
 from sluice.worker.engine import LLMEngine, RequestOutput, RequestRejected
 from sluice.worker.engine_process import freeze_heap
@@ -32,7 +31,6 @@ from sluice.worker.metrics import EngineMetrics
 from sluice.worker.reconcile import STALE_SECONDS
 from sluice.worker.retry import retry_transient
 from sluice.worker.structured import grammar_param
-from sluice.worker.tool_calls import with_tool_calls
 from sluice.worker.translate import PromptError, Responses, engine_inputs
 
 
@@ -170,8 +168,7 @@ class GpuWorker:
     def _result(self, c: store.Claimed, body: Body, out: RequestOutput) -> store.RequestResult:
         m = out.metrics
         since = lambda t: None if t is None else max(t - c.created_at, 0.0)
-        response = response_body(c.url, with_tool_calls(self.responses.generation(out), body),
-                                 self.settings.served_model_name)
+        response = self.responses.response(c.url, body, out, self.settings.served_model_name)
         return store.RequestResult(c.id, response=response, prompt_tokens=len(out.prompt_token_ids),
                                    cached_tokens=out.num_cached_tokens, completion_tokens=out.num_completion_tokens,
                                    queue_seconds=since(m.first_scheduled_time), ttft_seconds=since(m.first_token_time),

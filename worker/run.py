@@ -18,10 +18,9 @@ from typing import IO
 from tqdm import tqdm
 
 from sluice.api.batch_lines import BatchRequest, BatchValidator, LineError, line_error
-from sluice.api.results import error_line, output_line, response_body
+from sluice.api.results import error_line, output_line
 from sluice.worker.engine import LLMEngine, RequestOutput
 from sluice.worker.structured import grammar_param
-from sluice.worker.tool_calls import with_tool_calls
 from sluice.worker.translate import PromptError, Responses, engine_inputs
 
 QUEUE_DEPTH = 4  # requests held by the engine per max_num_seqs: enough to refill every batch, with bounded memory
@@ -140,8 +139,7 @@ class BatchRun:
             self._fail(line_error(request.line, "invalid_value", out.error, request.custom_id,
                                   grammar_param(request.body)))
             return
-        body = response_body(request.url, with_tool_calls(self.responses.generation(out), request.body),
-                             self.model_name)
+        body = self.responses.response(request.url, request.body, out, self.model_name)
         _append(self.output, output_line(request.custom_id, body))
         self.summary.succeeded += 1
         self.bar.update()

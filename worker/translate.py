@@ -15,10 +15,11 @@ from transformers import PreTrainedTokenizerBase
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from sluice.api.batch_lines import CHAT_URL, PROMPT_FIELDS, Body, ChatBody
-from sluice.api.results import Generation, TokenLogprob
+from sluice.api.results import Generation, TokenLogprob, response_body
 from sluice.worker.engine import InputProcessor, RequestOutput, RequestRejected, SamplingParams
 from sluice.worker.engine.detokenizer import TokenText, decode, decoder_types
 from sluice.worker.structured import grammar_param, structured_outputs
+from sluice.worker.tool_calls import with_tool_calls
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the rest of the context
 
@@ -116,6 +117,10 @@ class Responses:
         # a token's text is read after this one: alone, decode() drops a SentencePiece token's leading space
         self.anchor = tokenizer.encode("a", add_special_tokens=False)
         self.anchor_text = tokenizer.decode(self.anchor)
+
+    def response(self, url: str, body: Body, out: RequestOutput, model: str) -> dict:
+        """The response body of a finished request (a forced tool call's JSON read back as message.tool_calls)."""
+        return response_body(url, with_tool_calls(self.generation(out), body), model)
 
     def generation(self, out: RequestOutput) -> Generation:
         """The request's generation; for n > 1 its choices' in `choices`, with usage counting the prompt once."""
