@@ -1,10 +1,11 @@
 """The request formats: OpenAI batch input lines and their bodies, validated line by line into requests or errors.
 
 Bodies accept OpenAI's documented fields for /v1/chat/completions and /v1/completions plus six sluice extensions
-named as vLLM names them (top_k, min_p, ignore_eos, stop_token_ids, repetition_penalty, min_tokens). An unknown
+named as vLLM names them (top_k, min_p, ignore_eos, stop_token_ids, repetition_penalty, min_tokens, and on
+/v1/completions guided_json, guided_regex and guided_choice). An unknown
 field, a wrong type or an out-of-range value is an error naming the field (a logit_bias token id outside the model's
 vocabulary is found where the request is translated for the engine); a documented field sluice cannot honour (stream,
-echo, suffix, best_of > 1, n > 1 with structured outputs, several prompts in one line, tool_choice "auto", audio,
+echo, suffix, best_of > 1, several prompts in one line, tool_choice "auto", audio,
 ...) is an `unsupported_value` error unless left at its default. `model`, `user`, `metadata`, `store` and
 `service_tier` are accepted and ignored: outputs carry the served model's name.
 
@@ -24,11 +25,12 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from sluice.api.response_format import check_response_format
+from sluice.api.response_format import MAX_SCHEMA_CHARS, check_json_schema, check_response_format
 from sluice.api.text import readable, valid_unicode
 from sluice.api.tools import UnsupportedChoice, check_tools, forced_tools
 
 CHAT_URL = "/v1/chat/completions"
+GUIDED = ("guided_json", "guided_regex", "guided_choice")  # /v1/completions' structured outputs, in field order
 COMPLETIONS_URL = "/v1/completions"
 PROMPT_FIELDS = {CHAT_URL: "body.messages", COMPLETIONS_URL: "body.prompt"}
 LOGIT_BIAS_MAX = 300  # entries, as OpenAI
@@ -226,11 +228,6 @@ class ChatBody(_SamplingBody):
             raise _invalid("set max_tokens or max_completion_tokens, not both")
         if self.top_logprobs is not None and not self.logprobs:
             raise _invalid("top_logprobs needs logprobs: true")
-        forced = self.tool_choice not in (None, "none")
-        structured = forced or (self.response_format or {}).get("type", "text") != "text"
-        if (self.n or 1) > 1 and structured:
-            raise _unsupported(f"n={self.n} with response_format or a forced tool_choice: the engine constrains one "
-                               "choice per request; set n to 1 or put each sample on its own line")
         return self
 
 
@@ -240,6 +237,28 @@ class CompletionBody(_SamplingBody):
     echo: bool | None = None
     suffix: str | None = None
     best_of: int | None = None
+    # vLLM's structured-output fields (at most one): a JSON schema (an object or its JSON text), a regex, or one of
+    # the listed strings; whether the grammar compiles is known only in the worker, which fails that line alone
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = Field(None, min_length=1, max_length=MAX_SCHEMA_CHARS)
+    guided_choice: list[Annotated[str, Field(min_length=1)]] | None = Field(None, min_length=1, max_length=1024)
+
+    @field_validator("guided_json")
+    @classmethod
+    def _guided_json(cls, v):
+        if isinstance(v, str):
+            try:
+                v = json.loads(v)
+            except ValueError as e:
+                raise _invalid(f"guided_json is not JSON: {e}") from None
+        return _checked(lambda schema: check_json_schema(schema, "guided_json"), v)
+
+    @field_validator("guided_regex", "guided_choice")
+    @classmethod
+    def _one_guide(cls, v, info: ValidationInfo):
+        if v is not None and any(info.data.get(f) is not None for f in GUIDED[:GUIDED.index(info.field_name)]):
+            raise _invalid("set at most one of guided_json, guided_regex and guided_choice")
+        return v
 
     @field_validator("prompt", mode="before")
     @classmethod

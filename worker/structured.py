@@ -3,7 +3,7 @@ errors)."""
 
 from __future__ import annotations
 
-from sluice.api.batch_lines import Body, ChatBody
+from sluice.api.batch_lines import GUIDED, Body, CompletionBody
 from sluice.worker.engine.structured_outputs import StructuredOutputsParams
 from sluice.worker.tool_calls import call_schema, forced
 
@@ -15,8 +15,12 @@ TOOLS = "body.tools"
 
 def grammar_param(body: Body) -> str:
     """The field whose grammar a failed compile blames: the tools for a forced call (the API refuses a forced call
-    beside a response_format), else response_format."""
-    return TOOLS if forced(body) is not None else RESPONSE_FORMAT
+    beside a response_format), a completion's guided_* field, else response_format."""
+    if forced(body) is not None:
+        return TOOLS
+    if isinstance(body, CompletionBody):
+        return next((f"body.{f}" for f in GUIDED if getattr(body, f) is not None), RESPONSE_FORMAT)
+    return RESPONSE_FORMAT
 
 
 def structured_outputs(body: Body) -> StructuredOutputsParams | None:
@@ -24,9 +28,21 @@ def structured_outputs(body: Body) -> StructuredOutputsParams | None:
     the engine would refuse it."""
     if (tools := forced(body)) is not None:
         return StructuredOutputsParams(json=call_schema(tools))
-    fmt = body.response_format if isinstance(body, ChatBody) else None
+    if isinstance(body, CompletionBody):
+        return _guided(body)
+    fmt = body.response_format
     if fmt is None or fmt["type"] == "text":
         return None
     schema = fmt.get("json_schema", {}).get("schema")
     # strict or not, any schema xgrammar compiles is honoured in full: sluice need not keep to OpenAI's strict subset
     return StructuredOutputsParams(json=schema) if schema is not None else StructuredOutputsParams(json_object=True)
+
+
+def _guided(body: CompletionBody) -> StructuredOutputsParams | None:
+    if body.guided_json is not None:
+        return StructuredOutputsParams(json=body.guided_json)
+    if body.guided_regex is not None:
+        return StructuredOutputsParams(regex=body.guided_regex)
+    if body.guided_choice is not None:
+        return StructuredOutputsParams(choice=tuple(body.guided_choice))
+    return None

@@ -48,9 +48,19 @@ def _rebased(schema: Any, base: str) -> Any:
 
 
 def with_tool_calls(gen: Generation, body: Body) -> Generation:
-    """The generation as a tool call when its body forced one and the call's JSON was completed; otherwise as it is
-    (max_tokens or a stop string cut the JSON: finish_reason "length" or "stop", the text as content, as OpenAI)."""
-    if forced(body) is None or gen.finish_reason != "stop":
+    """The generation (each choice of an n > 1 one) as a tool call when its body forced one and the call's JSON was
+    completed; otherwise as it is (max_tokens or a stop string cut the JSON: finish_reason "length" or "stop", the
+    text as content, as OpenAI)."""
+    if forced(body) is None:
+        return gen
+    if gen.choices:
+        choices = [_as_call(c) for c in gen.choices]
+        return replace(_as_call(gen), choices=choices)
+    return _as_call(gen)
+
+
+def _as_call(gen: Generation) -> Generation:
+    if gen.finish_reason != "stop":
         return gen
     try:
         call = json.loads(gen.text)

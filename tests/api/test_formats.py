@@ -152,7 +152,7 @@ def test_penalties_logit_bias_and_min_tokens_out_of_range_name_the_field_and_lim
         assert error.code == "invalid_value" and error.param == param and text in error.message, (body, error)
 
 
-def test_n_is_1_to_128_and_refused_with_structured_outputs():
+def test_n_is_1_to_128_with_or_without_structured_outputs():
     chat = dict(url=CHAT_URL, messages=[{"role": "user", "content": "hi"}])
     tool = {"type": "function", "function": {"name": "ping", "parameters": {"type": "object"}}}
     assert sampling_args(parse_line(line(prompt="x", n=128), 1).body, room=10)["n"] == 128
@@ -162,8 +162,7 @@ def test_n_is_1_to_128_and_refused_with_structured_outputs():
         error = parse_line(line(prompt="x", n=n), 1)
         assert (error.code, error.param) == ("invalid_value", "body.n"), error
     for extra in (dict(response_format={"type": "json_object"}), dict(tools=[tool], tool_choice="required")):
-        error = parse_line(line(**chat, n=2, **extra), 1)
-        assert error.code == "unsupported_value" and "n=2 with response_format or a forced tool_choice" in error.message
+        assert isinstance(parse_line(line(**chat, n=2, **extra), 1), BatchRequest), extra
 
 
 def test_n_choices_each_have_their_index_and_usage_counts_the_prompt_once():
@@ -175,3 +174,23 @@ def test_n_choices_each_have_their_index_and_usage_counts_the_prompt_once():
         assert [(c["index"], c["finish_reason"]) for c in body["choices"]] == [(0, "stop"), (1, "length")]
         assert body["usage"]["prompt_tokens"] == 5 and body["usage"]["total_tokens"] == 8
     assert [c["message"]["content"] for c in chat_completion(gen, "m")["choices"]] == ["a", "bc"]
+
+
+def test_guided_fields_on_completions():
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    for guide in (dict(guided_json=schema), dict(guided_json=json.dumps(schema)), dict(guided_regex="[a-z]+"),
+                  dict(guided_choice=["yes", "no"])):
+        request = parse_line(line(prompt="x", **guide), 1)
+        assert isinstance(request, BatchRequest), guide
+    assert parse_line(line(prompt="x", guided_json=json.dumps(schema)), 1).body.guided_json == schema
+    for guide, param, text in [
+        (dict(guided_json="{oops"), "body.guided_json", "guided_json is not JSON"),
+        (dict(guided_json={"type": "objekt"}), "body.guided_json", "guided_json is not a valid JSON schema"),
+        (dict(guided_choice=[]), "body.guided_choice", ""),
+        (dict(guided_regex=""), "body.guided_regex", ""),
+        (dict(guided_json=schema, guided_choice=["a"]), "body.guided_choice", "at most one of guided_json"),
+    ]:
+        error = parse_line(line(prompt="x", **guide), 1)
+        assert (error.code, error.param) == ("invalid_value", param) and text in error.message, (guide, error)
+    error = parse_line(line(url=CHAT_URL, messages=[{"role": "user", "content": "x"}], guided_regex="a"), 1)
+    assert (error.code, error.param) == ("unknown_parameter", "body.guided_regex"), error

@@ -4,10 +4,11 @@ compile is an error line naming response_format, and plain lines run beside them
 from __future__ import annotations
 
 import json
+import re
 
 import jsonschema
 
-from sluice.api.batch_lines import CHAT_URL
+from sluice.api.batch_lines import CHAT_URL, COMPLETIONS_URL
 from sluice.worker.cli import main
 
 SCHEMA = {"type": "object", "properties": {"label": {"enum": ["spam", "ham"]},
@@ -53,3 +54,38 @@ def test_mixed_lines(tmp_path, llama_dir):
     assert "nowhere" in errors["bad"]["message"]
     assert errors["malformed"]["param"] == "body.response_format" and "not a valid JSON schema" in \
         errors["malformed"]["message"]
+
+
+def completion(custom_id: str, **body) -> dict:
+    return {"custom_id": custom_id, "method": "POST", "url": COMPLETIONS_URL,
+            "body": {"model": "m", "prompt": f"Label {custom_id}:", "max_tokens": 40, **body}}
+
+
+def test_guided_completions_and_n_choices_under_a_schema(tmp_path, llama_dir):
+    """vLLM's guided_json / guided_regex / guided_choice on /v1/completions, and n=3 under a json_schema: every
+    choice its own valid JSON."""
+    lines = [completion("json", guided_json=SCHEMA, temperature=0.8, seed=1),
+             completion("json_text", guided_json=json.dumps(SCHEMA), temperature=0),
+             completion("regex", guided_regex="[A-Z]{2}-[0-9]{3}", temperature=1.0, seed=2),
+             completion("choice", guided_choice=["alpha", "beta", "gamma"], temperature=1.0, seed=3, n=4),
+             completion("bad_regex", guided_regex="(unclosed"),
+             completion("two", guided_regex="a+", guided_choice=["a"]),
+             chat("n3", max_tokens=60, n=3, temperature=1.0, seed=4, response_format=json_schema(SCHEMA))]
+    source, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    source.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    assert main(["run", str(source), "-o", str(out), "--model", str(llama_dir)]) == 1
+    bodies = {r["custom_id"]: r["response"]["body"] for r in map(json.loads, out.read_text().splitlines())}
+    for name in ("json", "json_text"):
+        jsonschema.validate(json.loads(bodies[name]["choices"][0]["text"]), SCHEMA)
+    assert re.fullmatch("[A-Z]{2}-[0-9]{3}", bodies["regex"]["choices"][0]["text"])
+    assert [c["text"] in ("alpha", "beta", "gamma") for c in bodies["choice"]["choices"]] == [True] * 4
+    choices = bodies["n3"]["choices"]
+    assert [c["index"] for c in choices] == [0, 1, 2] and all(c["finish_reason"] == "stop" for c in choices)
+    for c in choices:
+        jsonschema.validate(json.loads(c["message"]["content"]), SCHEMA)
+    errors = {e["custom_id"]: e["error"] for e in map(json.loads, (tmp_path / "out.errors.jsonl").read_text()
+                                                      .splitlines())}
+    assert set(errors) == {"bad_regex", "two"}
+    assert errors["bad_regex"]["param"] == "body.guided_regex"
+    assert "the grammar could not be compiled" in errors["bad_regex"]["message"]
+    assert errors["two"]["param"] == "body.guided_choice" and "at most one of guided_json" in errors["two"]["message"]

@@ -123,6 +123,11 @@ def test_chat_applies_the_template(llm):
     assert templated.endswith("<|assistant|>\n")
     assert out.prompt_token_ids == llm.tokenizer.encode(templated, add_special_tokens=False)
     assert out.token_ids == llm.generate(out.prompt_token_ids, params)[0].token_ids
+    tools = [{"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}]
+    with_tools = llm.chat(conv, params, tools=tools)[0]
+    rendered = llm.tokenizer.apply_chat_template(conv, tools=tools, tokenize=False, add_generation_prompt=True)
+    assert '"name": "get_time"' in rendered
+    assert with_tools.prompt_token_ids == llm.tokenizer.encode(rendered, add_special_tokens=False)
 
 
 def test_text_drops_special_tokens_as_transformers_decode_does(llm, scripted_tokens):

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import pickle
 
+import jsonschema
 import pytest
 
 from sluice.worker.engine import LLM, SamplingParams
@@ -111,13 +113,43 @@ def test_usage_counts_the_prompt_once_and_the_output_pickles(llama_dir):
     assert [c.token_ids for c in back.choices] == [c.token_ids for c in out.choices]
 
 
-def test_n_limits_and_structured_outputs_are_refused(llama_dir):
+def test_n_limits(llama_dir):
     for n in (0, 129):
         with pytest.raises(ValueError, match=r"n must be an integer in \[1, 128\]"):
             SamplingParams(n=n)
-    llm = LLM(str(llama_dir), block_size=8)
-    with pytest.raises(ValueError, match="n > 1 with structured outputs"):
-        llm.add_request(PROMPT, SamplingParams(n=2, structured_outputs=StructuredOutputsParams(json_object=True)))
-    assert not llm.has_unfinished_requests() and _all_blocks_free(llm)
     assert choice_seed(2**64 - 1, 1) == 0  # wrapped into torch's seed range
     assert choice_seed(None, 3) is None and choice_seed(5, 3) == 8
+
+
+SCHEMA = {"type": "object", "properties": {"tag": {"enum": ["a", "b", "c"]}, "n": {"type": "integer", "minimum": 0,
+                                                                                     "maximum": 99}},
+          "required": ["tag", "n"], "additionalProperties": False}
+
+
+@pytest.mark.parametrize("prompt", [PROMPT, PROMPT[:6]], ids=["forked", "no-full-block"])
+@pytest.mark.parametrize("regime", [{}, dict(num_kv_blocks=14, max_num_seqs=3)], ids=["plain", "preemption"])
+def test_each_choice_under_a_grammar_has_its_own_matcher(llama_dir, lone, prompt, regime):
+    """Every choice validates against the schema and equals a lone request with its seed (its own matcher, forked
+    from the parent's compiled grammar or compiled for itself when the prompt has no block to share)."""
+    llm = LLM(str(llama_dir), block_size=8, **regime)
+    params = _sampled(n=4, max_tokens=40, ignore_eos=False,
+                      structured_outputs=StructuredOutputsParams(json=SCHEMA))
+    out = llm.generate([prompt], [params])[0]
+    assert len(out.choices) == 4
+    for i, choice in enumerate(out.choices):
+        assert choice.finish_reason == "stop"
+        jsonschema.validate(json.loads(choice.text), SCHEMA)
+        assert choice.token_ids == lone(prompt, params, i).token_ids
+    assert len({c.text for c in out.choices}) > 1, "the choices did not sample independently"
+    assert llm.grammars.stats.compiles == 1 and _all_blocks_free(llm)
+
+
+@pytest.mark.parametrize("prompt", [PROMPT, PROMPT[:6]], ids=["forked", "no-full-block"])
+def test_a_bad_grammar_fails_an_n_request_once_and_frees_everything(llama_dir, prompt):
+    llm = LLM(str(llama_dir), block_size=8)
+    bad = StructuredOutputsParams(json={"type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}})
+    outs = llm.generate([prompt, prompt], [_sampled(n=3, structured_outputs=bad), _sampled(n=2)])
+    assert outs[0].error.startswith("the grammar could not be compiled") and outs[0].finished
+    assert outs[1].error is None and len(outs[1].choices) == 2
+    assert not llm.requests and not llm.has_unfinished_requests() and llm.num_parents == 0
+    assert _all_blocks_free(llm)

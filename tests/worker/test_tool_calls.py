@@ -103,3 +103,20 @@ def test_an_unfinished_or_unforced_call_stays_text(text, finish_reason, choice):
                                   "m")["choices"][0]
     assert choice_body["finish_reason"] == finish_reason and choice_body["message"]["content"] == text
     assert "tool_calls" not in choice_body["message"]
+
+
+def test_each_choice_of_an_n_request_is_read_back_as_its_own_call():
+    calls = ['{"name":"get_weather","arguments":{"city":"Oslo"}}', '{"name":"ping","arguments":{}}',
+             '{"name":"get_weather","argu']
+    choices = [generation(t, "length" if i == 2 else "stop") for i, t in enumerate(calls)]
+    gen = Generation(text=calls[0], finish_reason="stop", prompt_tokens=7, completion_tokens=15, cached_tokens=0,
+                     created=0, choices=choices)
+    response = chat_completion(with_tool_calls(gen, body(tool_choice="required", n=3)), "m")
+    first, second, cut = response["choices"]
+    assert [c["index"] for c in response["choices"]] == [0, 1, 2]
+    assert first["finish_reason"] == second["finish_reason"] == "tool_calls" and cut["finish_reason"] == "length"
+    assert first["message"]["tool_calls"][0]["function"]["name"] == "get_weather"
+    assert second["message"]["tool_calls"][0]["function"]["name"] == "ping" and second["message"]["content"] is None
+    assert cut["message"]["content"] == calls[2] and "tool_calls" not in cut["message"]
+    assert first["message"]["tool_calls"][0]["id"] != second["message"]["tool_calls"][0]["id"]
+    assert response["usage"]["completion_tokens"] == 15

@@ -43,6 +43,8 @@ class ModelConfig:
     o_proj_bias: bool = False
     mlp_bias: bool = False
     layer_windows: list[int | None] | None = None  # per layer; None: every layer takes sliding_window
+    # config.json as read: a model class takes the fields only its architecture has (q/k norms, experts, soft caps)
+    raw: dict = field(default_factory=dict, repr=False, compare=False)
 
     def window(self, layer: int) -> int | None:
         return self.sliding_window if self.layer_windows is None else self.layer_windows[layer]
@@ -99,6 +101,7 @@ class ModelConfig:
                 layer_windows=windows,
                 dtype=DTYPES.get(str(raw.get("torch_dtype") or raw.get("dtype") or "float32"), torch.float32),
                 eos_token_ids=[] if eos is None else [eos] if isinstance(eos, int) else list(eos),
+                raw=raw,
             )
         except KeyError as e:
             raise ModelError(f"{source}: missing field {e.args[0]!r}") from None

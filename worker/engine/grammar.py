@@ -98,7 +98,8 @@ class Grammars:
             if w.job.future.done():
                 error = w.job.future.exception()
                 if error is None:
-                    w.seq.matcher = xgr.GrammarMatcher(w.job.future.result())
+                    w.seq.grammar = w.job.future.result()
+                    w.seq.matcher = xgr.GrammarMatcher(w.seq.grammar)
                     ready.append(w.seq)
                 else:
                     failed.append((w.seq, f"the grammar could not be compiled: {_reason(error)}"))
@@ -176,6 +177,11 @@ def json_schema_ebnf(schema: str) -> str:
 
 def _reason(error: BaseException) -> str:
     return _CPP_LOCATION.sub("", str(error)).strip()
+
+
+def fork_matcher(parent: Sequence) -> xgr.GrammarMatcher:
+    """A fresh matcher of the parent's grammar, for a choice of an n > 1 request (the parent never samples)."""
+    return xgr.GrammarMatcher(parent.grammar)
 
 
 def accept(seq: Sequence, token: int) -> bool:

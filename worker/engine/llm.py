@@ -13,7 +13,7 @@ from sluice.worker.engine import detokenizer
 from sluice.worker.engine.block_manager import BlockManager
 from sluice.worker.engine.choices import Choices, choice_seed
 from sluice.worker.engine.config import EngineConfig, ModelConfig
-from sluice.worker.engine.grammar import Grammars, accept
+from sluice.worker.engine.grammar import Grammars, accept, fork_matcher
 from sluice.worker.engine.model_runner import ModelRunner
 from sluice.worker.engine.outputs import RequestOutput
 from sluice.worker.engine.processor import InputProcessor, Prompt, RequestRejected, load_tokenizer, max_model_len
@@ -73,8 +73,8 @@ class LLMEngine:
     def encode(self, prompt: Prompt) -> list[int]:
         return self.processor.encode(prompt)
 
-    def encode_chat(self, messages: list[dict]) -> list[int]:
-        return self.processor.encode_chat(messages)
+    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        return self.processor.encode_chat(messages, tools)
 
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
                     priority: int = 0, arrival_time: float | None = None) -> str:
@@ -92,10 +92,7 @@ class LLMEngine:
             return request_id
         seq = self._new_sequence(request_id, token_ids, params, arrival_time, priority, text, params.seed)
         self.requests[request_id] = seq
-        if params.structured_outputs is not None:
-            self.grammars.add(seq)  # scheduled once its grammar has compiled (_admit_grammars)
-        else:
-            self.scheduler.add(seq)
+        self._schedule(seq)
         return request_id
 
     def _new_sequence(self, request_id: str, token_ids: list[int], params: SamplingParams, arrival_time: float,
@@ -112,18 +109,22 @@ class LLMEngine:
     def _add_choices(self, group: Choices) -> None:
         """Queue an n > 1 request: a parent that prefills the prompt's full blocks, or, with none to share, the
         choices themselves. The parent stops short of the prompt's last token, which each choice computes."""
-        if group.params.structured_outputs is not None:
-            raise ValueError("n > 1 with structured outputs is not supported")
         self.requests[group.request_id] = group
         shared = (len(group.prompt_token_ids) - 1) // self.block_manager.block_size * self.block_manager.block_size
         if shared:
             group.parent = Sequence(group.request_id, group.prompt_token_ids[:shared], group.params,
                                     group.arrival_time, group.priority, group=group)
             self.num_parents += 1
-            self.scheduler.add(group.parent)
+            self._schedule(group.parent)  # with a grammar, the choices fork from the parent's compiled one
             return
         self._new_choices(group)
         for seq in group.choices:
+            self._schedule(seq)
+
+    def _schedule(self, seq: Sequence) -> None:
+        if seq.params.structured_outputs is not None:
+            self.grammars.add(seq)  # scheduled once its grammar has compiled (_admit_grammars)
+        else:
             self.scheduler.add(seq)
 
     def _new_choices(self, group: Choices) -> None:
@@ -139,6 +140,8 @@ class LLMEngine:
         self._new_choices(group)
         for seq in group.choices:
             self.block_manager.share(parent, seq)
+            if parent.matcher is not None:
+                seq.matcher = fork_matcher(parent)
             seq.num_computed_tokens = parent.num_computed_tokens
             seq.first_scheduled_time = parent.first_scheduled_time
             self.scheduler.add(seq)  # admitted under max_num_seqs like any request, keeping its blocks
@@ -246,11 +249,24 @@ class LLMEngine:
         for seq in ready:
             self.scheduler.add(seq)
         now = time.time()
-        for seq, _ in failed:
+        outputs = []
+        for seq, error in failed:
             seq.status = SequenceStatus.FINISHED
-            del self.requests[seq.request_id]
-        return [RequestOutput.rejected(seq.request_id, seq.prompt, seq.prompt_token_ids, error, now)
-                for seq, error in failed]
+            request = self.requests.pop(seq.request_id, None)
+            if request is None:  # another choice of the same request failed first
+                continue
+            if isinstance(request, Choices):
+                self._fail_choices(request, seq)
+            outputs.append(RequestOutput.rejected(seq.request_id, request.prompt, request.prompt_token_ids, error,
+                                                  now))
+        return outputs
+
+    def _fail_choices(self, group: Choices, failed: Sequence) -> None:
+        """An n > 1 request whose grammar failed: every other sequence of it leaves too."""
+        self.num_parents -= group.parent is not None
+        for seq in group.sequences():
+            if seq is not failed and not self.grammars.discard(seq):
+                self.scheduler.finish(seq)
 
     def _count(self, step: StepStats) -> None:
         """Add a step to the running totals that stats() reports."""
@@ -336,11 +352,13 @@ class LLM(LLMEngine):
         return self._run_all(list(prompts), sampling_params)
 
     def chat(self, conversations: list[dict] | Seq[list[dict]],
-             sampling_params: SamplingParams | Seq[SamplingParams] | None = None) -> list[RequestOutput]:
-        """Apply the chat template to each conversation (a list of {"role", "content"}) and generate."""
+             sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+             tools: list[dict] | None = None) -> list[RequestOutput]:
+        """Apply the chat template to each conversation (a list of {"role", "content"}), with `tools` (OpenAI's
+        function definitions) rendered as the template renders them, and generate."""
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
-        return self._run_all([self.encode_chat(c) for c in conversations], sampling_params)
+        return self._run_all([self.encode_chat(c, tools) for c in conversations], sampling_params)
 
     def _run_all(self, prompts: list[Prompt], sampling_params) -> list[RequestOutput]:
         params = sampling_params if isinstance(sampling_params, Seq) else [sampling_params] * len(prompts)

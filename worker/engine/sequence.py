@@ -46,6 +46,7 @@ class Sequence:
     block_hashes: list[bytes] = field(default_factory=list)
     generator: torch.Generator | None = None
     matcher: Any = None  # its grammar's xgrammar GrammarMatcher (structured outputs; grammar.py)
+    grammar: Any = None  # the compiled grammar the matcher runs, from which an n > 1 request's choices fork theirs
     finish_reason: str | None = None
     text: str | None = ""  # None: not detokenized (SamplingParams.detokenize)
     logprobs: list[TokenLogprobs] = field(default_factory=list)
