@@ -6,8 +6,9 @@ named as vLLM names them (top_k, min_p, ignore_eos, stop_token_ids, repetition_p
 field, a wrong type or an out-of-range value is an error naming the field (a logit_bias token id outside the model's
 vocabulary is found where the request is translated for the engine); a documented field sluice cannot honour (stream,
 echo, suffix, best_of > 1, several prompts in one line, tool_choice "auto", audio,
-...) is an `unsupported_value` error unless left at its default. `model`, `user`, `metadata`, `store` and
-`service_tier` are accepted and ignored: outputs carry the served model's name.
+...) is an `unsupported_value` error unless left at its default. `model` names the served model or LoRA adapter
+(api.store.batches checks it against the batch's); `user`, `metadata`, `store` and `service_tier` are accepted and
+ignored.
 
 Error codes: invalid_json_line, missing_required_parameter, unknown_parameter, invalid_value, unsupported_value,
 invalid_url, invalid_method, duplicate_custom_id, context_length_exceeded (prompt plus max_tokens longer than the

@@ -14,6 +14,7 @@ from collections.abc import Iterable
 from celery import Celery
 
 from sluice.api.env import float_setting
+from sluice.api.prefix_order import pack
 from sluice.api.store.batches import PRIORITIES, Work
 
 RUN_CHUNK = "sluice.run_chunk"
@@ -80,13 +81,15 @@ def make_app(broker: str | None = None) -> Celery:
 
 def publish_chunks(app: Celery, work: Iterable[Work], size: int | None = None) -> int:
     """Send each Work's request ids in messages of `size` (default SLUICE_CHUNK_SIZE) to its model's queue at its
-    priority; returns the number of messages sent."""
+    priority, lines sharing a prompt prefix in one message where they fit; returns the number of messages sent."""
     size = size or chunk_size()
     sent = 0
     with app.producer_or_acquire() as producer:
         for w in work:
-            for start in range(0, len(w.request_ids), size):
-                app.send_task(RUN_CHUNK, args=[w.request_ids[start:start + size]], queue=model_queue(w.model),
-                              priority=w.priority, producer=producer)
+            chunks = pack(w.groups, size) if w.groups is not None else [
+                w.request_ids[start:start + size] for start in range(0, len(w.request_ids), size)]
+            for chunk in chunks:
+                app.send_task(RUN_CHUNK, args=[chunk], queue=model_queue(w.model), priority=w.priority,
+                              producer=producer)
                 sent += 1
     return sent

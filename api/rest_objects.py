@@ -100,6 +100,9 @@ class BatchObject(BaseModel):
     metadata: dict[str, str] | None
     usage: BatchUsage
     waiting_for_worker: bool = Field(description="sluice: requests are queued for a model no live worker serves")
+    system_fingerprints: list[str] = Field(description="sluice: the distinct system_fingerprint of its responses "
+                                                      "so far, sorted; several where differently configured workers "
+                                                      "ran it")
 
 
 class BatchList(BaseModel):
@@ -253,3 +256,20 @@ class WebhookDeliveryList(BaseModel):
     first_id: str | None
     last_id: str | None
     has_more: bool
+
+
+class ModelObject(BaseModel):
+    """OpenAI's Model, with vLLM's `root` and `parent`: a LoRA adapter's parent is the base model it runs on."""
+
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "sluice"
+    root: str | None = Field(description="vLLM's: the checkpoint (or adapter) directory a worker loaded; null for a "
+                                         "name known only from SLUICE_MODELS")
+    parent: str | None = Field(description="vLLM's: a LoRA adapter's base model; null for a base model")
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelObject]

@@ -64,11 +64,11 @@ def _content_entry(lp: TokenLogprob) -> dict:
             "top_logprobs": [_token_entry(t, v, raw) for (t, v), raw in zip(lp.top, top_bytes, strict=True)]}
 
 
-def chat_completion(gen: Generation, model: str) -> dict:
+def chat_completion(gen: Generation, model: str, system_fingerprint: str | None = None) -> dict:
     return {
         "id": _new_id("chatcmpl-"), "object": "chat.completion", "created": gen.created, "model": model,
         "choices": [_chat_choice(i, g) for i, g in enumerate(gen.choices or [gen])],
-        "usage": _usage(gen),
+        "usage": _usage(gen), "system_fingerprint": system_fingerprint,
     }
 
 
@@ -87,11 +87,11 @@ def _top_with_sampled(lp: TokenLogprob) -> dict[str, float]:
     return {**dict(lp.top), lp.token: lp.logprob}
 
 
-def text_completion(gen: Generation, model: str) -> dict:
+def text_completion(gen: Generation, model: str, system_fingerprint: str | None = None) -> dict:
     return {
         "id": _new_id("cmpl-"), "object": "text_completion", "created": gen.created, "model": model,
         "choices": [_text_choice(i, g) for i, g in enumerate(gen.choices or [gen])],
-        "usage": _usage(gen),
+        "usage": _usage(gen), "system_fingerprint": system_fingerprint,
     }
 
 
@@ -108,8 +108,10 @@ def _text_choice(index: int, gen: Generation) -> dict:
 RESPONSE_BUILDERS = {CHAT_URL: chat_completion, COMPLETIONS_URL: text_completion}
 
 
-def response_body(url: str, gen: Generation, model: str) -> dict:
-    return RESPONSE_BUILDERS[url](gen, model)
+def response_body(url: str, gen: Generation, model: str, system_fingerprint: str | None = None) -> dict:
+    """The body OpenAI answers `url` with; system_fingerprint names the configuration that ran it
+    (worker/fingerprint.py)."""
+    return RESPONSE_BUILDERS[url](gen, model, system_fingerprint)
 
 
 def output_line(custom_id: str, body: dict, line_id: str | None = None, request_id: str | None = None) -> dict:

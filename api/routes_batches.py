@@ -1,6 +1,7 @@
 """/v1/batches: create, read, list and cancel batches; and sluice's pages of results and efficiency windows.
 
-A batch runs on the model its lines name (one per batch, as in OpenAI). That model must be known: listed in
+A batch runs on the model its lines name (one per batch, as in OpenAI), or on one base model and LoRA adapters
+served on it (a live worker registers each adapter with its base). That model must be known: listed in
 SLUICE_MODELS, or served by a live worker; otherwise the batch is refused (400, model_not_found) and nothing is
 stored. Listing known models in SLUICE_MODELS lets batches queue up while their workers are still starting.
 """
@@ -47,7 +48,8 @@ def create_batch(body: BatchCreate, svc: ServicesDep, me: CallerDep) -> dict:
         hold_key(session, me)
         batch, work = store.create_batch(session, me.tenant_id, body.input_file_id, endpoint=body.endpoint,
                                          completion_window=body.completion_window, metadata=body.metadata,
-                                         max_lines=svc.settings.max_batch_lines)
+                                         max_lines=svc.settings.max_batch_lines,
+                                         parents=adapter_parents(session, svc.settings))
         if work is not None:
             require_known_model(session, svc.settings, work.model, "model", 400)
         view = store.batch_view(session, batch)
@@ -103,7 +105,9 @@ def batch_efficiency(svc: ServicesDep, me: CallerDep, batch_id: str) -> Efficien
         batch = owned_batch(session, batch_id, me.tenant_id)
         start = batch.in_progress_at or batch.created_at
         end = min((t for t in (getattr(batch, name) for name in END_TIMES) if t is not None), default=time.time())
-        windows = store.efficiency_windows(session, batch.model, start, end)
+        # an adapter's batch ran on its base model's engine, whose windows are recorded under the base's name
+        engine_model = adapter_parents(session, svc.settings).get(batch.model, batch.model)
+        windows = store.efficiency_windows(session, engine_model, start, end)
         data = [EfficiencyWindowObject.model_validate(w, from_attributes=True) for w in windows]
     return EfficiencyReport(batch_id=batch.id, model=batch.model, start=start, end=end, data=data)
 
@@ -121,3 +125,8 @@ def require_known_model(session: Session, settings: Settings, model: str, param:
     served = sorted(set(settings.models) | {w.served_model_name for w in store.live_workers(session)})
     raise ApiError(status, f"model {model!r} is not served here: no live worker serves it and SLUICE_MODELS does "
                            f"not list it (known: {', '.join(served) or 'none'})", param, "model_not_found")
+
+
+def adapter_parents(session: Session, settings: Settings) -> dict[str, str]:
+    """The LoRA adapters known to be served, each with its base model: configured ones and live workers'."""
+    return {**settings.adapter_parents, **store.adapter_parents(session)}

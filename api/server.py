@@ -19,7 +19,15 @@ from sqlalchemy import text
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
-from sluice.api import errors, routes_batches, routes_files, routes_requests, routes_usage, routes_webhooks
+from sluice.api import (
+    errors,
+    routes_batches,
+    routes_files,
+    routes_models,
+    routes_requests,
+    routes_usage,
+    routes_webhooks,
+)
 from sluice.api.auth import metrics_access
 from sluice.api.body_guard import BodyGuard, Limit
 from sluice.api.deps import Services, ServicesDep
@@ -90,7 +98,7 @@ def create_app(sessions: sessionmaker[Session], celery: Celery, settings: Settin
     errors.install(app)
     for limit in (routes_files.upload_limit, body_limit):
         app.add_middleware(BodyGuard, limit=limit(svc.settings.max_file_bytes), sessions=svc.sessions)
-    for module in (routes_files, routes_batches, routes_requests, routes_usage, routes_webhooks):
+    for module in (routes_files, routes_batches, routes_requests, routes_models, routes_usage, routes_webhooks):
         app.include_router(module.router, responses=ERRORS)
     app.include_router(ops)
     generate = app.openapi

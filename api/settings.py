@@ -10,7 +10,7 @@ SLUICE_METRICS_TOKEN    when set, GET /metrics needs `Authorization: Bearer <it>
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from sluice.api.store import MAX_FILE_BYTES, MAX_LINES
 
@@ -20,6 +20,8 @@ class Settings:
     max_file_bytes: int = MAX_FILE_BYTES
     max_batch_lines: int = MAX_LINES
     models: tuple[str, ...] = ()
+    # LoRA adapters among `models`, each with the base model it runs on (`sluice serve --lora`): batches may mix them
+    adapter_parents: dict[str, str] = field(default_factory=dict)
     metrics_token: str | None = None
 
     @classmethod

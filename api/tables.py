@@ -125,6 +125,9 @@ class Batch(Base):
     # lines (api.store.views.keep_file_bytes); null until then. A change to the files' line format must null them
     output_bytes: Mapped[int | None] = mapped_column(BigInteger)
     error_bytes: Mapped[int | None] = mapped_column(BigInteger)
+    # the distinct system_fingerprints of its results, sorted, added as they are written (store.write_results), so
+    # that reading a batch does not read its results; null until the first response
+    system_fingerprints: Mapped[list[Any] | None]
     created_at: Mapped[float]
     in_progress_at: Mapped[float | None]
     expires_at: Mapped[float]
@@ -204,6 +207,8 @@ class Worker(Base):
     pid: Mapped[int]
     model: Mapped[str] = mapped_column(Text)  # the checkpoint it loaded
     served_model_name: Mapped[str] = mapped_column(String(255), index=True)  # names its queue
+    # a LoRA adapter's row: the served name of the base model it runs on (`model` is then the adapter's directory)
+    parent: Mapped[str | None] = mapped_column(String(255))
     status: Mapped[str] = mapped_column(String(16))  # starting, running, stopping, stopped
     started_at: Mapped[float]
     last_heartbeat_at: Mapped[float]

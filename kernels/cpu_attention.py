@@ -34,9 +34,11 @@ def paged_decode_attention_cpu(
     scale: float,
     sliding_window: int | None = None,
     out: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """softmax(q k^T * scale) v for one query token per sequence over its first context_lens keys (its last
-    `sliding_window` of them, if given): q [seqs, heads, head_dim], caches [blocks, block_size, kv_heads, head_dim]."""
+    `sliding_window` of them, if given): q [seqs, heads, head_dim], caches [blocks, block_size, kv_heads, head_dim].
+    With `softcap`, the scores are softcap * tanh(scores / softcap) (Gemma 2)."""
     if not supports(q, k_cache) or v_cache.dtype != torch.float32 or v_cache.shape != k_cache.shape:
         raise ValueError(f"paged_decode_attention_cpu: float32 CPU tensors with head_dim in {HEAD_DIMS} only, got q "
                          f"{q.dtype} {tuple(q.shape)} on {q.device}, caches {k_cache.dtype} {tuple(k_cache.shape)}")
@@ -49,7 +51,7 @@ def paged_decode_attention_cpu(
     out = torch.empty_like(q) if out is None else out
     result = out if out.is_contiguous() else torch.empty_like(q)
     ext.paged_decode(q.contiguous(), k_cache.contiguous(), v_cache.contiguous(), block_tables.contiguous(),
-                     context_lens.contiguous(), scale, sliding_window or 0, result)
+                     context_lens.contiguous(), scale, sliding_window or 0, softcap or 0.0, result)
     if result is not out:
         out.copy_(result)
     return out

@@ -1,10 +1,11 @@
-"""Paged decode attention (one query token per sequence), GQA-grouped and split along the context (flash decoding)."""
+"""Paged decode attention (one query token per sequence), GQA-grouped and split along the context (flash decoding);
+optionally over a sliding window of the last keys and with soft-capped scores."""
 
 import torch
 
 from sluice.kernels._triton import cdiv, dot_precision, next_pow2, tl, triton
 from sluice.kernels.checks import check_decode_inputs
-from sluice.kernels.paged import LOG2E, gather_context, paged_scores, softmax_step
+from sluice.kernels.paged import cap_args, gather_context, paged_scores, reference_scores, scale_scores, softmax_step
 
 BLOCK_N = 64  # context tokens per inner step; independent of the cache's block_size
 PARTITION_TOKENS = 512  # context one program handles before the work is split across programs
@@ -15,7 +16,7 @@ MAX_SPLITS = 32
 def _decode_partial_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr, context_lens_ptr,
     out_ptr, part_out_ptr, part_lse_ptr,
-    qk_scale, partition_size, num_heads, num_splits,
+    qk_scale, cap_in, cap_out, window, partition_size, num_heads, num_splits,
     stride_qs, stride_qh, stride_qd,
     stride_cb, stride_co, stride_ch, stride_cd,
     stride_sb, stride_so, stride_sh,
@@ -23,13 +24,13 @@ def _decode_partial_kernel(
     stride_os, stride_oh, stride_od,
     BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-    INT8_KV: tl.constexpr, SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    INT8_KV: tl.constexpr, SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     part = tl.program_id(2)
     context_len = tl.load(context_lens_ptr + seq)
-    start = part * partition_size
+    start = _first_key(context_len, window) + part * partition_size  # partitions tile the window, not the context
     if start >= context_len:
         return  # the reduce kernel ignores partitions past the context
     end = tl.minimum(start + partition_size, context_len)
@@ -49,7 +50,7 @@ def _decode_partial_kernel(
             q, n0 + tl.arange(0, BLOCK_N), end, seq, kv_head, d, block_tables_ptr, stride_bt, k_cache_ptr,
             v_cache_ptr, stride_cb, stride_co, stride_ch, stride_cd, k_scale_ptr, v_scale_ptr, stride_sb, stride_so,
             stride_sh, BLOCK_SIZE, HEAD_DIM, INT8_KV, DOT_PRECISION)
-        s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
+        s = tl.where(valid[None, :], scale_scores(s, qk_scale, cap_in, cap_out, SOFTCAP), float("-inf"))
         m_i, l_i, acc = softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION)
 
     out = acc / l_i[:, None]
@@ -63,14 +64,24 @@ def _decode_partial_kernel(
 
 
 @triton.jit
+def _first_key(context_len, window):
+    """The first key a query at context_len - 1 attends to: the window's first, or 0 (window 0: no window)."""
+    first = context_len * 0
+    if window > 0:
+        first = tl.maximum(context_len - window, 0)
+    return first
+
+
+@triton.jit
 def _decode_reduce_kernel(
-    part_out_ptr, part_lse_ptr, context_lens_ptr, out_ptr, partition_size, num_heads, num_splits,
+    part_out_ptr, part_lse_ptr, context_lens_ptr, out_ptr, window, partition_size, num_heads, num_splits,
     stride_os, stride_oh, stride_od,
     HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
-    num_parts = tl.cdiv(tl.load(context_lens_ptr + seq), partition_size)
+    context_len = tl.load(context_lens_ptr + seq)
+    num_parts = tl.cdiv(context_len - _first_key(context_len, window), partition_size)
     p = tl.arange(0, SPLITS_PAD)
     d = tl.arange(0, DIM_PAD)
     part_row = (seq * num_heads + head) * num_splits + p
@@ -99,12 +110,15 @@ def paged_decode_attention(
     v_scale: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     num_splits: int | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """q [seqs, heads, dim] at position context_len - 1 attends to its whole context -> [seqs, heads, dim].
+    """q [seqs, heads, dim] at position context_len - 1 attends to its whole context, or to its last
+    `sliding_window` keys -> [seqs, heads, dim]; with `softcap`, scores are softcap * tanh(scores / softcap).
 
-    num_splits defaults to num_splits_for(block_tables width * block_size): the table width bounds the longest
-    context without reading context_lens back to the host. Rows with context_len 0 (batch padding) are left
-    unspecified.
+    num_splits defaults to num_splits_for(the keys attended: block_tables width * block_size, or the window): the
+    table width bounds the longest context without reading context_lens back to the host. Rows with context_len 0
+    (batch padding) are left unspecified.
     """
     quantized = check_decode_inputs(q, k_cache, v_cache, block_tables, context_lens, k_scale, v_scale)
     # the kernel reads these with a row stride at most: a strided view would be read as if packed
@@ -115,6 +129,8 @@ def paged_decode_attention(
     if num_seqs == 0:
         return out
     max_context = block_tables.shape[1] * block_size
+    if sliding_window:
+        max_context = min(max_context, sliding_window)
     num_splits = num_splits_for(max_context) if num_splits is None else num_splits
     if num_splits < 1:
         raise ValueError(f"decode attention: num_splits={num_splits} must be at least 1")
@@ -130,16 +146,17 @@ def paged_decode_attention(
     scales = (k_scale, v_scale) if quantized else (k_cache, k_cache)  # stand-ins are never read
     _decode_partial_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, *scales, block_tables, context_lens, out, part_out, part_lse,
-        scale * LOG2E, partition_size, num_heads, num_splits,
+        *cap_args(scale, softcap), sliding_window or 0, partition_size, num_heads, num_splits,
         *q.stride(), *k_cache.stride(), *scales[0].stride()[:3], block_tables.stride(0), *out.stride(),
         BLOCK_SIZE=block_size, GROUP=group, GROUP_PAD=max(16, next_pow2(group)),  # tl.dot needs M >= 16
         HEAD_DIM=head_dim, DIM_PAD=dim_pad, BLOCK_N=BLOCK_N,
-        INT8_KV=quantized, SPLIT=num_splits > 1, DOT_PRECISION=dot_precision(q.dtype),
+        INT8_KV=quantized, SPLIT=num_splits > 1, DOT_PRECISION=dot_precision(q.dtype), SOFTCAP=bool(softcap),
         num_warps=4, num_stages=2,
     )
     if num_splits > 1:
         _decode_reduce_kernel[(num_seqs, num_heads)](
-            part_out, part_lse, context_lens, out, partition_size, num_heads, num_splits, *out.stride(),
+            part_out, part_lse, context_lens, out, sliding_window or 0, partition_size, num_heads, num_splits,
+            *out.stride(),
             HEAD_DIM=head_dim, DIM_PAD=dim_pad, SPLITS_PAD=next_pow2(num_splits), num_warps=4,
         )
     return out
@@ -156,8 +173,11 @@ def paged_decode_attention_ref(
     v_scale: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     num_splits: int | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """Reference: gathers each sequence's context and runs softmax(q k^T * scale) v in float32.
+    """Reference: gathers each sequence's context (its last sliding_window keys) and runs
+    softmax(cap(q k^T * scale)) v in float32.
 
     num_splits is accepted for signature parity; splitting does not change the result.
     """
@@ -165,6 +185,8 @@ def paged_decode_attention_ref(
     out = torch.empty_like(q) if out is None else out
     for i, n in enumerate(context_lens.tolist()):
         k, v = gather_context(k_cache, v_cache, block_tables, i, n, k_scale, v_scale, q.shape[1])
-        scores = torch.einsum("hd,nhd->hn", q[i].float(), k) * scale
+        first = max(0, n - sliding_window) if sliding_window else 0
+        k, v = k[first:], v[first:]
+        scores = reference_scores(torch.einsum("hd,nhd->hn", q[i].float(), k), scale, softcap)
         out[i] = torch.einsum("hn,nhd->hd", scores.softmax(dim=-1), v).to(out.dtype)
     return out

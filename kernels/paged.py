@@ -1,6 +1,6 @@
 """What the store and attention kernels share about the paged KV cache: the exp2 softmax base, the reference's
-context gather, and the attention kernels' inner step (a tile of keys read through the block table, then an
-online-softmax update). The layout checks are in kernels/checks.py."""
+context gather, and the attention kernels' inner step (a tile of keys read through the block table, scaled and
+optionally soft-capped, then an online-softmax update). The layout checks are in kernels/checks.py."""
 
 import torch
 
@@ -45,6 +45,31 @@ def paged_scores(q, pos, end, seq, kv_head, d, block_tables_ptr, stride_bt, k_ca
         v_scale = tl.load(v_scale_ptr + srow, mask=valid, other=0.0)
         v = (v.to(tl.float32) * v_scale[:, None]).to(q.dtype)
     return s, v, valid
+
+
+def cap_args(scale: float, softcap: float | None) -> tuple[float, float, float]:
+    """scale_scores' runtime arguments: qk_scale, cap_in and cap_out (the last two unused without a cap)."""
+    return scale * LOG2E, scale / softcap if softcap else 0.0, softcap * LOG2E if softcap else 0.0
+
+
+def reference_scores(scores: torch.Tensor, scale: float, softcap: float | None) -> torch.Tensor:
+    """Reference side: raw scores q k^T scaled, then soft-capped as transformers' Gemma 2 does."""
+    scores = scores * scale
+    return scores if not softcap else torch.tanh(scores / softcap) * softcap
+
+
+@triton.jit
+def scale_scores(s, qk_scale, cap_in, cap_out, SOFTCAP: tl.constexpr):
+    """Raw scores q k^T in the exp2 softmax's units: s * scale * log2(e); soft-capped (Gemma 2),
+    softcap * tanh(s * scale / softcap) * log2(e), with cap_in = scale / softcap and cap_out = softcap * log2(e)."""
+    if SOFTCAP:
+        x = s * cap_in
+        e = tl.exp2(-2.885390081777927 * tl.abs(x))  # exp(-2|x|) never overflows: tanh|x| = (1 - e) / (1 + e)
+        t = (1.0 - e) / (1.0 + e)
+        s = cap_out * tl.where(x < 0, -t, t)
+    else:
+        s = s * qk_scale
+    return s
 
 
 @triton.jit

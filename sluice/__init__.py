@@ -15,14 +15,15 @@ _LAZY = {
     "LLM": "sluice.worker.engine",
     "SamplingParams": "sluice.worker.engine",
     "RequestOutput": "sluice.worker.engine",
+    "LoRARequest": "sluice.worker.engine",
     "Client": "sluice.api.client",
     "SluiceError": "sluice.api.client",
 }
-__all__ = ["LLM", "Client", "RequestOutput", "SamplingParams", "SluiceError"]
+__all__ = ["LLM", "Client", "LoRARequest", "RequestOutput", "SamplingParams", "SluiceError"]
 
 if TYPE_CHECKING:
     from sluice.api.client import Client, SluiceError
-    from sluice.worker.engine import LLM, RequestOutput, SamplingParams
+    from sluice.worker.engine import LLM, LoRARequest, RequestOutput, SamplingParams
 
 
 def __getattr__(name: str) -> Any:

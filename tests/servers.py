@@ -1,15 +1,20 @@
 """Servers in a test: an ASGI app under uvicorn, and a webhook receiver, each in a daemon thread on a free port of
-127.0.0.1."""
+127.0.0.1; and `sluice serve` in a process of its own."""
 
 from __future__ import annotations
 
+import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
+import httpx
 import uvicorn
 
 
@@ -17,6 +22,26 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def start_sluice_serve(tmp_path: Path, *flags: str) -> tuple[subprocess.Popen, int]:
+    """`sluice serve` with `flags` on a free port, its data in tmp_path/data and its log in tmp_path/serve.log,
+    once /readyz answers; without the environment's SLUICE_* settings."""
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLUICE_")}
+    log = (tmp_path / "serve.log").open("w")
+    proc = subprocess.Popen([sys.executable, "-m", "sluice", "serve", *flags, "--port", str(port), "--data-dir",
+                             str(tmp_path / "data")], env=env, stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/readyz").status_code == 200:
+                break
+        except httpx.TransportError:
+            pass
+        assert proc.poll() is None, (tmp_path / "serve.log").read_text()
+        time.sleep(0.2)
+    return proc, port
 
 
 @contextmanager

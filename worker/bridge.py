@@ -22,6 +22,7 @@ from sluice.worker.efficiency import EfficiencyWindow
 from sluice.worker.engine import InputProcessor, LLMEngine, RequestRejected, SamplingParams
 from sluice.worker.engine_process import run_engine
 from sluice.worker.engine_protocol import Abort, Failed, LiveStats, Report, Stop, Submit
+from sluice.worker.fingerprint import Fingerprint
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +59,7 @@ class EngineBridge:
         self.engine_nice = 0  # what the engine process runs at, once started
         self.on_window, self.on_step = on_window, on_step
         self.processor: InputProcessor | None = None
+        self.fingerprint: Fingerprint | None = None  # the engine's, once started
         self.error: BaseException | None = None
         self.final_stats: dict | None = None  # the engine's stats() as it stopped
         self._futures: dict[str, Future] = {}
@@ -86,6 +88,7 @@ class EngineBridge:
             self.process.join()
             raise first.error
         self.processor = InputProcessor.load(Path(first.path), first.config, first.num_kv_blocks)
+        self.fingerprint = first.fingerprint
         if first.pinned:
             pin_threads(self.split[0])
             self.pinned = True

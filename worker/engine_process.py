@@ -24,6 +24,7 @@ from sluice.worker.efficiency import EfficiencyWindow
 from sluice.worker.engine import LLMEngine, RequestOutput, RequestRejected
 from sluice.worker.engine.stats import StepStats
 from sluice.worker.engine_protocol import Abort, Failed, LiveStats, Ready, Report, Stop, Submit
+from sluice.worker.fingerprint import engine_fingerprint
 
 IDLE_POLL_SECONDS = 0.05
 
@@ -46,8 +47,8 @@ def run_engine(build: Callable[[], LLMEngine], requests: Connection, reports: Co
     if nice is None and pinned:
         nice = PINNED_ENGINE_NICE
     refused = nice if nice is not None and not set_nice(nice) else None
-    reports.send(Ready(str(engine.path), engine.config, engine.block_manager.num_blocks, pinned,
-                       os.getpriority(os.PRIO_PROCESS, 0), refused))
+    reports.send(Ready(str(engine.path), engine.config, engine.block_manager.num_blocks, engine_fingerprint(engine),
+                       pinned, os.getpriority(os.PRIO_PROCESS, 0), refused))
     freeze_heap()
     EngineCore(engine, requests, reports, window_seconds).loop()
 
@@ -132,8 +133,8 @@ class EngineCore:
     def _add(self, submit: Submit) -> None:
         try:
             self.engine.add_request(submit.prompt, submit.params, submit.request_id, submit.priority,
-                                    submit.arrival_time)
-        except (RequestRejected, ValueError) as e:
+                                    submit.arrival_time, lora_request=submit.lora)
+        except (RequestRejected, ValueError) as e:  # ValueError: also an adapter that cannot be read (ModelError)
             self.report.rejected.append((submit.request_id, e if isinstance(e, RequestRejected)
                                          else RequestRejected(str(e))))
 

@@ -9,9 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from sluice.worker.efficiency import EfficiencyWindow
-from sluice.worker.engine import RequestOutput, RequestRejected, SamplingParams
+from sluice.worker.engine import LoRARequest, RequestOutput, RequestRejected, SamplingParams
 from sluice.worker.engine.config import EngineConfig
 from sluice.worker.engine.stats import StepStats
+from sluice.worker.fingerprint import Fingerprint
 
 
 @dataclass
@@ -21,6 +22,7 @@ class Submit:
     params: SamplingParams
     priority: int = 0
     arrival_time: float | None = None
+    lora: LoRARequest | None = None  # the adapter it runs with; None: the base model
 
 
 @dataclass
@@ -40,6 +42,7 @@ class Ready:
     path: str
     config: EngineConfig
     num_kv_blocks: int
+    fingerprint: Fingerprint  # what its results' system_fingerprint is derived from
     pinned: bool = False  # the engine process took the CPUs it was offered
     nice: int = 0  # the engine process's nice value
     nice_refused: int | None = None  # the nice value it was to take but was not permitted to

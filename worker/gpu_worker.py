@@ -13,7 +13,7 @@ import threading
 import uuid
 from collections.abc import Callable
 from concurrent.futures import CancelledError, wait
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from celery import Celery
 from pydantic import ValidationError
@@ -22,10 +22,12 @@ from sqlalchemy.orm import Session, sessionmaker
 from sluice.api import store
 from sluice.api.batch_lines import BODIES, Body
 from sluice.api.dispatch import dispatch
+from sluice.worker.adapters import ServedModels, UnknownModel
 from sluice.worker.bridge import EngineBridge, EngineNotRunning
 from sluice.worker.engine import LLMEngine, RequestOutput, RequestRejected
 from sluice.worker.engine_process import freeze_heap
 from sluice.worker.engine_protocol import Submit
+from sluice.worker.fingerprint import Fingerprints
 from sluice.worker.maintenance import Maintenance
 from sluice.worker.metrics import EngineMetrics
 from sluice.worker.reconcile import STALE_SECONDS
@@ -38,6 +40,7 @@ from sluice.worker.translate import PromptError, Responses, engine_inputs
 class WorkerSettings:
     served_model_name: str
     model: str
+    adapters: dict[str, str] = field(default_factory=dict)  # LoRA adapters: served name -> directory
     lease_seconds: float = 60.0
     heartbeat_seconds: float = 10.0
     reconcile_seconds: float = 30.0
@@ -60,6 +63,7 @@ class GpuWorker:
     def __init__(self, build_engine: Callable[[], LLMEngine], settings: WorkerSettings,
                  sessions: sessionmaker[Session], app: Celery):
         self.settings, self.sessions, self.app = settings, sessions, app
+        self.served = ServedModels.of(settings.served_model_name, settings.adapters)
         self.id = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.maintenance = Maintenance(self)
         self.metrics = EngineMetrics(settings.served_model_name)
@@ -82,6 +86,7 @@ class GpuWorker:
         self.bridge.start()
         self.processor = self.bridge.processor
         self.responses = Responses(self.processor.tokenizer)
+        self.fingerprints = Fingerprints(self.bridge.fingerprint, self.served)
         if self.settings.metrics_port is not None:
             self.metrics.serve(self.settings.metrics_port)
         self.maintenance.heartbeat()  # starting: live once Celery consumes the queue (mark_consuming)
@@ -137,6 +142,11 @@ class GpuWorker:
         results, runnable, submits = [], [], []
         for c in claimed:
             try:
+                name, lora = self.served.resolve(c.body.get("model") or c.model)
+            except UnknownModel as e:  # a worker of its base model that does not serve this adapter
+                results.append(_error(c, "model_not_found", str(e), "body.model"))
+                continue
+            try:
                 body = BODIES[c.url].model_validate(c.body)
                 token_ids, params = engine_inputs(self.processor, c.url, body)
                 # the text is decoded here on a task thread (Responses), not token by token in the engine's
@@ -146,12 +156,12 @@ class GpuWorker:
             except (PromptError, ValidationError) as e:
                 results.append(_error(c, getattr(e, "code", "invalid_value"), str(e), getattr(e, "param", "body")))
                 continue
-            runnable.append((c, body))
-            submits.append(Submit(str(c.id), token_ids, params, c.priority, c.created_at))
+            runnable.append((c, body, name))
+            submits.append(Submit(str(c.id), token_ids, params, c.priority, c.created_at, lora))
         aborted, unrun = [], []
         futures = self.bridge.submit_many(submits)
         wait(futures)  # woken once, when the last has finished, rather than for each in turn
-        for (c, body), future in zip(runnable, futures):
+        for (c, body, name), future in zip(runnable, futures):
             try:
                 out = future.result()
             except RequestRejected as e:
@@ -161,14 +171,14 @@ class GpuWorker:
             except CancelledError:
                 aborted.append(c.id)
             else:
-                results.append(self._result(c, body, out) if out.error is None
+                results.append(self._result(c, body, name, out) if out.error is None
                                else _error(c, "invalid_value", out.error, grammar_param(body)))
         return results, aborted, unrun
 
-    def _result(self, c: store.Claimed, body: Body, out: RequestOutput) -> store.RequestResult:
+    def _result(self, c: store.Claimed, body: Body, name: str, out: RequestOutput) -> store.RequestResult:
         m = out.metrics
         since = lambda t: None if t is None else max(t - c.created_at, 0.0)
-        response = self.responses.response(c.url, body, out, self.settings.served_model_name)
+        response = self.responses.response(c.url, body, out, name, self.fingerprints.of(name))
         return store.RequestResult(c.id, response=response, prompt_tokens=len(out.prompt_token_ids),
                                    cached_tokens=out.num_cached_tokens, completion_tokens=out.num_completion_tokens,
                                    queue_seconds=since(m.first_scheduled_time), ttft_seconds=since(m.first_token_time),

@@ -88,4 +88,4 @@ class Maintenance:
             current = status or worker.status()
             worker.db(lambda s: store.heartbeat(s, worker.id, hostname=socket.gethostname(), pid=os.getpid(),
                                                 model=settings.model, served_model_name=settings.served_model_name,
-                                                status=current))
+                                                status=current, adapters=settings.adapters))

@@ -1,5 +1,9 @@
 """`sluice run`: stream an OpenAI batch file through one engine, appending each result as it finishes.
 
+Without LoRA adapters a line's `model` is ignored: every line runs on the one model, whose name the results carry.
+With adapters, a line's `model` picks one (or the base model, by its served name or by naming none), and a line
+naming any other is an error line.
+
 The output file is append-only and is the run's memory: a rerun skips the custom_ids already in it (after dropping a
 last line cut short by a kill). The error file is rewritten by every run, because every line that is not in the
 output is validated again.
@@ -17,9 +21,12 @@ from typing import IO
 
 from tqdm import tqdm
 
-from sluice.api.batch_lines import BatchRequest, BatchValidator, LineError, line_error
+from sluice.api.batch_lines import BatchRequest, BatchValidator, LineError, line_error, parse_line
+from sluice.api.prefix_order import prefix_groups, prefix_key, prefix_order_enabled, prompt_text
 from sluice.api.results import error_line, output_line
+from sluice.worker.adapters import ServedModels, UnknownModel
 from sluice.worker.engine import LLMEngine, RequestOutput
+from sluice.worker.fingerprint import Fingerprints, engine_fingerprint
 from sluice.worker.structured import grammar_param
 from sluice.worker.translate import PromptError, Responses, engine_inputs
 
@@ -84,12 +91,13 @@ def count_lines(path: Path) -> int:
 class BatchRun:
     """One pass over an input file: validates lines, keeps the engine fed, writes results and errors."""
 
-    def __init__(self, engine: LLMEngine, model_name: str, output: IO[str], errors: IO[str], bar: tqdm):
-        self.engine, self.model_name = engine, model_name
+    def __init__(self, engine: LLMEngine, served: ServedModels, output: IO[str], errors: IO[str], bar: tqdm):
+        self.engine, self.served = engine, served
         self.output, self.errors, self.bar = output, errors, bar
-        self.pending: dict[str, BatchRequest] = {}
+        self.pending: dict[str, tuple[BatchRequest, str]] = {}  # with the served name it runs under
         self.summary = RunSummary()
         self.responses = Responses(engine.tokenizer)
+        self.fingerprints = Fingerprints(engine_fingerprint(engine), served)
 
     def run(self, input_path: Path, done: set[str]) -> RunSummary:
         requests = self._requests(input_path, done)
@@ -109,10 +117,28 @@ class BatchRun:
             self.bar.set_postfix_str(f"{rate:.1f} output tok/s, {self.summary.failed} failed", refresh=False)
 
     def _requests(self, path: Path, done: set[str]) -> Iterator[BatchRequest]:
-        """Valid lines not yet in the output; invalid ones become error lines on the way."""
+        """Valid lines not yet in the output, those whose prompts share a prefix side by side (as the API orders a
+        batch; SLUICE_PREFIX_ORDER=0: file order), so that the engine computes each shared prefix once; invalid
+        lines become error lines on the way. Ordering holds each line's key and offset, not its body."""
+        lines = self._valid_lines(path, done)
+        if not prefix_order_enabled():
+            yield from (request for request, _ in lines)
+            return
+        keyed = [(prefix_key(prompt_text(request.body)), offset, request.line) for request, offset in lines]
+        with path.open("rb") as f:
+            for group in prefix_groups([key for key, _, _ in keyed]):
+                for i in group:
+                    _, offset, number = keyed[i]
+                    f.seek(offset)
+                    yield parse_line(f.readline(), number)
+
+    def _valid_lines(self, path: Path, done: set[str]) -> Iterator[tuple[BatchRequest, int]]:
+        """Each valid line not yet in the output, with its byte offset."""
         validator = BatchValidator()
+        offset = 0
         with path.open("rb") as f:
             for number, raw in enumerate(f, 1):
+                start, offset = offset, offset + len(raw)
                 if not raw.strip():
                     continue
                 result = validator.validate(raw, number)
@@ -122,24 +148,29 @@ class BatchRun:
                     self.summary.skipped += 1
                     self.bar.update()
                 else:
-                    yield result
+                    yield result, start
 
     def _submit(self, request: BatchRequest) -> None:
+        try:
+            name, lora = self.served.resolve(request.body.model if self.served.loras else None)
+        except UnknownModel as e:
+            self._fail(line_error(request.line, "model_not_found", str(e), request.custom_id, "body.model"))
+            return
         try:
             token_ids, params = engine_inputs(self.engine.processor, request.url, request.body)
         except PromptError as e:
             self._fail(line_error(request.line, e.code, str(e), request.custom_id, e.param))
             return
-        self.engine.add_request(token_ids, params, request_id=request.custom_id)
-        self.pending[request.custom_id] = request
+        self.engine.add_request(token_ids, params, request_id=request.custom_id, lora_request=lora)
+        self.pending[request.custom_id] = request, name
 
     def _finish(self, out: RequestOutput) -> None:
-        request = self.pending.pop(out.request_id)
+        request, name = self.pending.pop(out.request_id)
         if out.error is not None:
             self._fail(line_error(request.line, "invalid_value", out.error, request.custom_id,
                                   grammar_param(request.body)))
             return
-        body = self.responses.response(request.url, request.body, out, self.model_name)
+        body = self.responses.response(request.url, request.body, out, name, self.fingerprints.of(name))
         _append(self.output, output_line(request.custom_id, body))
         self.summary.succeeded += 1
         self.bar.update()
@@ -158,7 +189,7 @@ def _append(f: IO[str], record: dict) -> None:
         raise RunIOError(f"{f.name}: {e.strerror or e}") from None
 
 
-def run_batch(input_path: Path, output_path: Path, errors_path: Path, engine: LLMEngine, model_name: str,
+def run_batch(input_path: Path, output_path: Path, errors_path: Path, engine: LLMEngine, served: ServedModels,
               done: set[str]) -> RunSummary:
     """Run every line of input_path whose custom_id is not in `done` (see finished_ids)."""
     # on a terminal the bar redraws in place; in a log file each redraw is a new record, so draw rarely
@@ -167,7 +198,7 @@ def run_batch(input_path: Path, output_path: Path, errors_path: Path, engine: LL
         with (output_path.open("a", encoding="utf-8") as output, errors_path.open("w", encoding="utf-8") as errors,
               tqdm(total=count_lines(input_path), unit="req", desc="requests", file=sys.stderr,
                    mininterval=interval) as bar):
-            return BatchRun(engine, model_name, output, errors, bar).run(input_path, done)
+            return BatchRun(engine, served, output, errors, bar).run(input_path, done)
     except OSError as e:
         if (failed := _run_io_error(e)) is not None:  # closing the file that failed on the way out fails again
             raise failed from None

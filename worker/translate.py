@@ -118,9 +118,9 @@ class Responses:
         self.anchor = tokenizer.encode("a", add_special_tokens=False)
         self.anchor_text = tokenizer.decode(self.anchor)
 
-    def response(self, url: str, body: Body, out: RequestOutput, model: str) -> dict:
+    def response(self, url: str, body: Body, out: RequestOutput, model: str, system_fingerprint: str) -> dict:
         """The response body of a finished request (a forced tool call's JSON read back as message.tool_calls)."""
-        return response_body(url, with_tool_calls(self.generation(out), body), model)
+        return response_body(url, with_tool_calls(self.generation(out), body), model, system_fingerprint)
 
     def generation(self, out: RequestOutput) -> Generation:
         """The request's generation; for n > 1 its choices' in `choices`, with usage counting the prompt once."""

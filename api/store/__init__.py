@@ -54,12 +54,12 @@ from sluice.api.store.webhooks import (
     list_webhook_endpoints,
     new_deliveries,
 )
-from sluice.api.store.workers import efficiency_windows, heartbeat, live_workers, record_efficiency
+from sluice.api.store.workers import adapter_parents, efficiency_windows, heartbeat, live_workers, record_efficiency
 
 __all__ = [
     "Claimed", "Conflict", "DEFAULT_PRIORITY", "DEFAULT_TENANT", "DayUsage", "EVENTS", "InvalidInput",
     "MAX_FILE_BYTES", "MAX_LINES", "NotFound", "REQUEST_PREFIX", "RequestResult", "StoreError", "Work",
-    "batch_usage", "batch_view", "cancel_batch", "claim", "cost", "create_api_key", "create_batch",
+    "adapter_parents", "batch_usage", "batch_view", "cancel_batch", "claim", "cost", "create_api_key", "create_batch",
     "create_request", "create_webhook_endpoint", "delete_file", "delete_webhook_endpoint", "due_deliveries",
     "efficiency_windows", "error_file_id", "error_lines", "expire_batches", "file_content", "file_page",
     "file_slice", "find_api_key", "get_batch", "get_file", "get_or_create_tenant", "get_webhook_endpoint",

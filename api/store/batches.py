@@ -2,7 +2,9 @@
 
 A bad line becomes a failed request whose result holds the error, so the error file shows it; the batch itself
 fails only when the file as a whole is unusable: empty, not JSONL at all, or longer than the line limit. A batch has
-one endpoint and one model, as in OpenAI: given by the caller, or else taken from its first valid line.
+one endpoint and one model, as in OpenAI: given by the caller, or else taken from its first valid line. Its lines may
+also mix a base model with the LoRA adapters served on it (`parents`: adapter -> base); such a batch's model, which
+names its queue, is the base, and each stored body keeps the name it runs under.
 
 A single request (POST /v1/requests) is stored as a one-request batch of its own, with an id of its own prefix
 (req_...), so that it runs, is accounted and expires exactly as a batch's line does.
@@ -13,13 +15,15 @@ from __future__ import annotations
 import json
 import re
 import time
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from sluice.api.batch_lines import BODIES, BatchRequest, BatchValidator, LineError, line_error, parse_line
+from sluice.api.prefix_order import prefix_groups, prefix_key, prefix_order_enabled, prompt_text
 from sluice.api.store.common import REQUEST_PREFIX, InvalidInput, error_result, insert_rows, new_id
 from sluice.api.store.files import MAX_FILE_BYTES, file_content, get_file, store_file
 from sluice.api.store.lifecycle import settle
@@ -46,6 +50,9 @@ class Work:
     model: str
     priority: int
     request_ids: list[int]
+    # request ids whose prompts share a prefix (api/prefix_order.py), in the order to publish: a chunk never splits
+    # one that fits in it. None: request_ids in order, chunked as they come
+    groups: list[list[int]] | None = None
 
 
 @dataclass
@@ -56,6 +63,14 @@ class _Rules:
     endpoint: str | None
     model: str | None
     model_given: bool
+    parents: Mapping[str, str] = field(default_factory=dict)  # LoRA adapter -> the base model it runs on
+    mixed: bool = False  # lines name more than one of a base model and its adapters
+
+    def batch_model(self) -> str:
+        """The model whose queue the batch goes to: a mixed batch's base model."""
+        if self.model is None:
+            return ""
+        return self.parents.get(self.model, self.model) if self.mixed else self.model
 
     def check(self, request: BatchRequest) -> BatchRequest | LineError:
         # PostgreSQL text holds no NUL character, and an index entry at most ~2.7 kB
@@ -66,7 +81,8 @@ class _Rules:
         if request.url != self.endpoint:
             return line_error(request.line, "invalid_url", f"{request.url} differs from the batch's endpoint "
                               f"{self.endpoint}; a batch has one endpoint", request.custom_id, "url")
-        if self.model_given:
+        if self.model_given:  # the lines' own `model` is ignored: each runs under the one given
+            request.body = request.body.model_copy(update={"model": self.model})
             return request
         named = request.body.model
         if named is None:
@@ -77,16 +93,21 @@ class _Rules:
             return line_error(request.line, "invalid_value", problem, request.custom_id, "body.model")
         self.model = self.model or named
         if named != self.model:
-            return line_error(request.line, "invalid_value", f"{named!r} differs from the batch's model "
-                              f"{self.model!r}; a batch runs on one model", request.custom_id, "body.model")
+            if self.parents.get(named, named) != self.parents.get(self.model, self.model):
+                return line_error(request.line, "invalid_value", f"{named!r} differs from the batch's model "
+                                  f"{self.model!r}; a batch runs on one model (or on one base model and LoRA "
+                                  f"adapters served on it)", request.custom_id, "body.model")
+            self.mixed = True
         return request
 
 
 def create_batch(session: Session, tenant_id: int, input_file_id: str, *, endpoint: str | None = None,
                  model: str | None = None, completion_window: str = "24h", metadata: dict[str, str] | None = None,
-                 priority: int = DEFAULT_PRIORITY, max_lines: int = MAX_LINES) -> tuple[Batch, Work | None]:
+                 priority: int = DEFAULT_PRIORITY, max_lines: int = MAX_LINES,
+                 parents: Mapping[str, str] | None = None) -> tuple[Batch, Work | None]:
     """Validate the file's lines and store the batch with its requests; returns the batch and the work to publish
-    after commit (None when nothing is left to run). A bad argument raises InvalidInput and stores nothing."""
+    after commit (None when nothing is left to run). `parents`: the LoRA adapters known to be served, each with its
+    base model (adapter_parents). A bad argument raises InvalidInput and stores nothing."""
     if (view := owned_view(session, input_file_id, tenant_id)) is not None:  # files.retrieve finds it: not a 404
         raise InvalidInput(f"file {input_file_id} is the {view[0]} file of batch {view[1].id} (purpose "
                            "'batch_output'); a batch needs an uploaded file of purpose 'batch'", "input_file_id")
@@ -111,13 +132,13 @@ def create_batch(session: Session, tenant_id: int, input_file_id: str, *, endpoi
     lines = _lines(file_content(session, input_file_id))
     if problem := _file_problem(lines, max_lines):
         return _fail(session, batch, problem, now), None
-    rules = _Rules(endpoint, model, model is not None)
+    rules = _Rules(endpoint, model, model is not None, parents or {})
     validator = BatchValidator()
     checked = [_checked(validator, rules, number, raw) for number, raw in lines]
     if all(_not_json(c) for c in checked):
         return _fail(session, batch, {"code": "invalid_jsonl", "message": f"no line is a JSON object; "
                                       f"{checked[0].message}", "param": None, "line": None}, now), None
-    batch.endpoint, batch.model = rules.endpoint or "", rules.model or ""
+    batch.endpoint, batch.model = rules.endpoint or "", rules.batch_model()
     batch.status, batch.in_progress_at = "in_progress", now
     batch.request_total = len(checked)
     batch.request_failed = sum(isinstance(c, LineError) for c in checked)
@@ -133,7 +154,16 @@ def create_batch(session: Session, tenant_id: int, input_file_id: str, *, endpoi
         settle(session, batch.id, now)
         session.refresh(batch)
         return batch, None
-    return batch, Work(batch.model, priority, queued)
+    return batch, Work(batch.model, priority, queued, _prefix_groups(ids, checked))
+
+
+def _prefix_groups(ids: list[int], checked: list[BatchRequest | LineError]) -> list[list[int]] | None:
+    """The valid lines' request ids grouped by shared prompt prefix (SLUICE_PREFIX_ORDER=0: file order)."""
+    if not prefix_order_enabled():
+        return None
+    valid = [(request_id, c) for request_id, c in zip(ids, checked) if isinstance(c, BatchRequest)]
+    keys = [prefix_key(prompt_text(c.body)) for _, c in valid]
+    return [[valid[i][0] for i in group] for group in prefix_groups(keys)]
 
 
 def submit_jsonl(session: Session, tenant: str, filename: str, data: bytes, max_bytes: int = MAX_FILE_BYTES,

@@ -12,12 +12,13 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import Connection, bindparam, select
+from sqlalchemy import Connection, bindparam, select, update
 from sqlalchemy.orm import Session
 
 from sluice.api.store.common import (
     BATCHES,
     IDS,
+    LOCK_BATCHES_OF,
     NOW,
     OWNER,
     REQUESTS,
@@ -32,7 +33,7 @@ from sluice.api.store.common import (
 from sluice.api.store.lifecycle import USAGE, count_and_settle, settle
 from sluice.api.store.recovery import MAX_ATTEMPTS
 from sluice.api.store.usage import cost, gpu_hour_cost
-from sluice.api.tables import Result
+from sluice.api.tables import Batch, Result
 
 ACCEPTING = ("in_progress", "cancelling")  # batches whose running requests may still finish
 EXPIRES = bindparam("expires")
@@ -57,6 +58,10 @@ RENEW = (update_requests()
 FINISH = (update_requests().where(by_id(IDS, held_or_free(OWNER, NOW), batch_in(*ACCEPTING)))
           .values(status=bindparam("new_status"), lease_owner=None, lease_expires_at=None)
           .returning(REQUESTS.id, REQUESTS.batch_id, REQUESTS.line))
+# lock_batches_of(), reading the batches' fingerprints in the same statement: write_results adds its results' ones
+LOCK_WITH_FINGERPRINTS = LOCK_BATCHES_OF.add_columns(BATCHES.system_fingerprints)
+SET_FINGERPRINTS = (update(Batch.__table__).where(BATCHES.id == bindparam("batch"))
+                    .values(system_fingerprints=bindparam("fingerprints")))
 
 
 @dataclass
@@ -166,7 +171,7 @@ def write_results(session: Session, results: list[RequestResult], worker_id: str
     if not by_id:
         return []
     now = time.time()
-    lock_batches_of(session, by_id)
+    known = dict(session.execute(LOCK_WITH_FINGERPRINTS, {"ids": list(by_id)}).all())
     finished: list[tuple[int, str, int]] = []
     for status, ids in (("completed", [i for i, r in by_id.items() if r.error is None]),
                         ("failed", [i for i, r in by_id.items() if r.error is not None])):
@@ -180,6 +185,7 @@ def write_results(session: Session, results: list[RequestResult], worker_id: str
     hour_cost = gpu_hour_cost()  # once a chunk: it reads and checks the environment variable
     rows = {i: _result_row(by_id[i], batch_id, line, worker_id, now, hour_cost) for i, batch_id, line in finished}
     insert_rows(session, Result.__table__, list(rows.values()))
+    _add_fingerprints(session, known, rows.values())
     completed = Counter(b for i, b, _ in finished if by_id[i].error is None)
     failed = Counter(b for i, b, _ in finished if by_id[i].error is not None)
     usage: dict[str, dict[str, float]] = defaultdict(lambda: dict.fromkeys(USAGE, 0))
@@ -189,6 +195,19 @@ def write_results(session: Session, results: list[RequestResult], worker_id: str
     for batch_id in sorted(set(completed) | set(failed)):
         count_and_settle(session, batch_id, completed[batch_id], failed[batch_id], now, usage[batch_id])
     return sorted(request_id for request_id, _, _ in finished)
+
+
+def _add_fingerprints(session: Session, known: dict[str, list[str] | None], rows) -> None:
+    """Add the responses' system_fingerprints that their batches do not list yet (the caller holds the batches'
+    locks): a write only when a configuration first answers for a batch."""
+    new: dict[str, set[str]] = defaultdict(set)
+    for row in rows:
+        if row["response"] is not None and (fingerprint := row["response"].get("system_fingerprint")):
+            new[row["batch_id"]].add(fingerprint)
+    for batch_id, fingerprints in sorted(new.items()):
+        listed = set(known.get(batch_id) or ())
+        if not fingerprints <= listed:
+            session.execute(SET_FINGERPRINTS, {"batch": batch_id, "fingerprints": sorted(listed | fingerprints)})
 
 
 def _result_row(r: RequestResult, batch_id: str, line: int, worker_id: str, now: float,

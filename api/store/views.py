@@ -69,8 +69,9 @@ def get_batch(session: Session, batch_id: str, tenant_id: int | None = None) -> 
 
 
 def batch_view(session: Session, batch: Batch) -> dict:
-    """The OpenAI Batch object, plus sluice's usage.gpu_seconds and usage.cost, and `waiting_for_worker`: true while
-    requests are queued for a model that no live worker serves."""
+    """The OpenAI Batch object, plus sluice's usage.gpu_seconds and usage.cost, `waiting_for_worker`: true while
+    requests are queued for a model that no live worker serves, and `system_fingerprints`: its responses' distinct
+    system_fingerprint values, sorted."""
     unfinished = batch.request_total - batch.request_completed - batch.request_failed
     return {
         "id": batch.id, "object": "batch", "endpoint": batch.endpoint, "model": batch.model or None,
@@ -84,6 +85,7 @@ def batch_view(session: Session, batch: Batch) -> dict:
         "metadata": batch.metadata_, "usage": batch_usage(batch),
         "waiting_for_worker": batch.status == "in_progress" and unfinished > 0
                               and not live_workers(session, batch.model),
+        "system_fingerprints": batch.system_fingerprints or [],
     }
 
 

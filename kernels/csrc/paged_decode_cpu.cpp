@@ -10,6 +10,7 @@
 #include "vec_math.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <utility>
@@ -99,10 +100,11 @@ struct Scratch {
   std::vector<vec> acc;            // [heads, head_dim / LANES]
 };
 
-// One sequence, all its heads, over the keys [first, ctx): scores, softmax, then the weighted sum of values.
+// One sequence, all its heads, over the keys [first, ctx): scores (soft-capped if softcap > 0), softmax, then the
+// weighted sum of values.
 template <int D>  // head_dim / LANES
 void attend_one(const float* q, const float* k_cache, const float* v_cache, const int32_t* table, int64_t first,
-                int64_t ctx, const Shape& s, float scale, Scratch& w, float* out) {
+                int64_t ctx, const Shape& s, float scale, float softcap, Scratch& w, float* out) {
   const int64_t n = ctx - first, heads = s.kv_heads * s.group, token_stride = s.kv_heads * s.head_dim;
   const int64_t block_stride = s.block_size * token_stride;
   for (int64_t t = 0; t < n; ++t) {
@@ -132,6 +134,8 @@ void attend_one(const float* q, const float* k_cache, const float* v_cache, cons
     }
   }
   for (int i = 0; i < pending; ++i) w.scores[where[i]] = hsum(dots[i]);
+  if (softcap > 0)  // Gemma 2: softcap * tanh(score / softcap), before the softmax
+    for (int64_t i = 0; i < heads * n; ++i) w.scores[i] = softcap * std::tanh(w.scores[i] / softcap);
   for (int64_t h = 0; h < heads; ++h) w.inv[h] = softmax_row(w.scores.data() + h * n, n);
   vec* acc = w.acc.data();
   std::fill(acc, acc + heads * D, vec{});
@@ -168,10 +172,11 @@ AttendFn attend_for(int64_t head_dim) {
 
 // q and out [seqs, heads, head_dim], contiguous; k_cache and v_cache [blocks, block_size, kv_heads, head_dim],
 // contiguous; block_tables [seqs, max_blocks] int32; context_lens [seqs] int32; window > 0: attend to the last
-// `window` tokens only. The caller (kernels/cpu_attention.py) checks dtypes, devices and shapes.
+// `window` tokens only; softcap > 0: scores soft-capped. The caller (kernels/cpu_attention.py) checks dtypes, devices
+// and shapes.
 void paged_decode(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                   const torch::Tensor& block_tables, const torch::Tensor& context_lens, double scale, int64_t window,
-                  torch::Tensor& out) {
+                  double softcap, torch::Tensor& out) {
   const int64_t seqs = q.size(0), heads = q.size(1);
   if (seqs == 0) return;
   const Shape s{k_cache.size(1), k_cache.size(2), k_cache.size(3), heads / k_cache.size(2), block_tables.size(1)};
@@ -192,8 +197,8 @@ void paged_decode(const torch::Tensor& q, const torch::Tensor& k_cache, const to
     for (int64_t seq = begin; seq < end; ++seq) {
       const int64_t n = ctx[seq], first = window > 0 ? std::max<int64_t>(0, n - window) : 0;
       const int64_t offset = seq * heads * s.head_dim;
-      attend(qp + offset, kp, vp, tables + seq * s.max_blocks, first, n, s, static_cast<float>(scale), w,
-             op + offset);
+      attend(qp + offset, kp, vp, tables + seq * s.max_blocks, first, n, s, static_cast<float>(scale),
+             static_cast<float>(softcap), w, op + offset);
     }
   });
 }

@@ -10,10 +10,11 @@ import httpx
 import openai
 import pytest
 from api_helpers import chat, finish, jsonl, request_ids
+from sqlalchemy import select
 
 from sluice.api import store
 from sluice.api.queue import model_queue, queue_depth
-from sluice.api.tables import EfficiencyWindow
+from sluice.api.tables import EfficiencyWindow, Request
 
 
 def upload(client, lines) -> str:
@@ -127,6 +128,40 @@ def test_unknown_model_is_refused_until_a_worker_serves_it(api, tenant_key, open
         store.heartbeat(session, "w-big", hostname="h", pid=1, model="/models/big", served_model_name="big")
     batch = client.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h")
     assert batch.model == "big" and batch.waiting_for_worker is False
+
+
+def test_lora_adapters_are_listed_and_batches_mix_them_with_their_base_model(api, tenant_key, openai_client):
+    client = openai_client(tenant_key())
+    with api.sessions.begin() as session:
+        store.heartbeat(session, "w-base", hostname="h", pid=1, model="/models/base", served_model_name="base",
+                        adapters={"a": "/adapters/a", "b": "/adapters/b"})
+    models = {m.id: m.model_dump() for m in client.models.list()}
+    assert set(models) == {"tiny", "base", "a", "b"}  # tiny: SLUICE_MODELS, no live worker
+    assert (models["a"]["parent"], models["a"]["root"], models["a"]["object"]) == ("base", "/adapters/a", "model")
+    assert (models["base"]["parent"], models["base"]["root"]) == (None, "/models/base")
+    assert (models["tiny"]["parent"], models["tiny"]["root"]) == (None, None)
+    assert client.models.retrieve("b").model_dump()["parent"] == "base"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("c")
+
+    mixed = create(client, [chat("1", model="a"), chat("2", model="base"), chat("3", model="b"), chat("4", model="c"),
+                            chat("5", model="tiny")])
+    assert mixed.model == "base" and mixed.waiting_for_worker is False  # the base's queue: every line can run there
+    assert mixed.request_counts.failed == 2 and queue_depth(api.celery, model_queue("base")) == 1
+    with api.sessions.begin() as session:  # each stored body keeps the name it runs under
+        bodies = {r.custom_id: r.body for r in session.scalars(select(Request).where(Request.batch_id == mixed.id))}
+    assert [bodies[i]["model"] for i in "123"] == ["a", "base", "b"]
+    errors = {e["custom_id"]: e["error"] for e in map(json.loads, client.files.content(mixed.error_file_id).text
+                                                      .splitlines())}
+    assert set(errors) == {"4", "5"} and "one base model and LoRA adapters" in errors["4"]["message"]
+
+    alone = create(client, [chat("1", model="b"), chat("2", model="b")])  # an adapter's own queue, as a model's
+    assert alone.model == "b" and queue_depth(api.celery, model_queue("b")) == 1
+    file_id = upload(client, [chat("1", model="c")])
+    with pytest.raises(openai.BadRequestError) as refused:  # an unknown adapter, as an unknown model
+        client.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h")
+    assert refused.value.body["code"] == "model_not_found"
+    assert "known: a, b, base, tiny" in refused.value.body["message"]
 
 
 def test_unusable_file_makes_a_failed_batch_with_errors(api, tenant_key, openai_client):

@@ -122,8 +122,8 @@ ROUTES = {("POST", "/v1/files"), ("GET", "/v1/files"), ("GET", "/v1/files/{file_
           ("POST", "/v1/requests"), ("GET", "/v1/requests/{request_id}"), ("GET", "/v1/usage"),
           ("POST", "/v1/webhook_endpoints"), ("GET", "/v1/webhook_endpoints"),
           ("GET", "/v1/webhook_endpoints/{endpoint_id}"), ("DELETE", "/v1/webhook_endpoints/{endpoint_id}"),
-          ("GET", "/v1/webhook_endpoints/{endpoint_id}/deliveries"),
-          ("GET", "/healthz"), ("GET", "/readyz"), ("GET", "/metrics")}
+          ("GET", "/v1/webhook_endpoints/{endpoint_id}/deliveries"), ("GET", "/v1/models"),
+          ("GET", "/v1/models/{model}"), ("GET", "/healthz"), ("GET", "/readyz"), ("GET", "/metrics")}
 
 
 def test_openapi_documents_every_route_with_the_bearer_scheme(api, tenant_key):

@@ -24,8 +24,10 @@ def make_prompts(vocab: int, seed: int, shared_prefix: int = 0) -> list[tuple[li
     return prompts
 
 
-def hf_greedy(path, prompts) -> list[list[int]]:
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+def hf_greedy(path, prompts, attn_implementation: str | None = None) -> list[list[int]]:
+    """transformers' greedy tokens; attn_implementation="eager" where its SDPA path would drop a score soft-cap."""
+    options = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, **options)
     eos = model.config.eos_token_id
     outs = []
     for ids, max_new in prompts:

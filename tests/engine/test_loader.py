@@ -195,7 +195,7 @@ def test_tied_checkpoint_with_stored_head(tmp_path, tokenizer_dir, same):
 
 @pytest.mark.parametrize("field,value,error", [
     ("hidden_act", "gelu_pytorch_tanh", "unsupported hidden_act 'gelu_pytorch_tanh'"),
-    ("quantization_config", {"quant_method": "fp8"}, "pre-quantized checkpoints are not supported.*'fp8'.*int8/int4"),
+    ("quantization_config", {"quant_method": "fp8"}, "quantization method 'fp8' is not supported.*int8/int4"),
 ])
 def test_unsupported_config_is_refused(ckpt, field, value, error):
     config = json.loads((ckpt / "config.json").read_text())

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 from databases import postgres_database, redis_db
+from lora_fixtures import lora_dir  # noqa: F401
 from sqlalchemy import select, text
 
 from sluice.api import db, store

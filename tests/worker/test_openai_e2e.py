@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 from processes import engine_child, thread_cpus
-from servers import Receiver, free_port, serve_app
+from servers import Receiver, serve_app, start_sluice_serve
 
 from sluice.api import store
 from sluice.api.server import create_app
@@ -146,22 +146,8 @@ def test_penalties_and_logit_bias_through_the_service(cluster, live, llama_dir):
 
 
 def test_sluice_serve_on_sqlite_with_the_sdk(tmp_path, llama_dir):
-    port = free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SLUICE_")}
-    log = (tmp_path / "serve.log").open("w")
-    proc = subprocess.Popen([sys.executable, "-m", "sluice", "serve", "--model", str(llama_dir), "--served-model-name",
-                             "tiny", "--port", str(port), "--data-dir", str(tmp_path / "data")],
-                            env=env, stdout=log, stderr=subprocess.STDOUT)
+    proc, port = start_sluice_serve(tmp_path, "--model", str(llama_dir), "--served-model-name", "tiny")
     try:
-        deadline = time.time() + 60
-        while time.time() < deadline:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/readyz").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert proc.poll() is None, (tmp_path / "serve.log").read_text()
-            time.sleep(0.2)
         if len(os.sched_getaffinity(0)) > 1:  # the API's threads keep off the CPU engine's CPUs, as the worker's do
             engine, serving = engine_child(proc.pid), thread_cpus(proc.pid)
             assert not set().union(*thread_cpus(engine)) & set().union(*serving), (engine, serving)

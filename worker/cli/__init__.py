@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 
-from sluice.worker.cli import api, batches, db, keys, run, serve, worker
+from sluice.worker.cli import api, batches, bench, db, keys, plan, run, serve, worker
 from sluice.worker.cli.common import UsageError
 
 
@@ -31,6 +31,6 @@ def main(argv: list[str] | None = None) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="sluice", description="Self-hosted batch LLM inference.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for group in (run, db, batches, worker, api, keys, serve):
+    for group in (run, plan, bench, db, batches, worker, api, keys, serve):
         group.add_parsers(commands)
     return parser

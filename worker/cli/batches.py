@@ -59,7 +59,8 @@ def submit_command(args: argparse.Namespace) -> int:
             batch, work = store.submit_jsonl(session, args.tenant or store.DEFAULT_TENANT, args.input.name, data,
                                              model=args.model, completion_window=args.completion_window,
                                              priority=priority, max_bytes=limits.max_file_bytes,
-                                             max_lines=limits.max_batch_lines)
+                                             max_lines=limits.max_batch_lines,
+                                             parents=store.adapter_parents(session))
             waiting = work is not None and not store.live_workers(session, work.model)
     except store.StoreError as e:
         raise UsageError(str(e)) from None

@@ -12,10 +12,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from sluice.worker.adapters import ServedModels
     from sluice.worker.engine import LLMEngine
 
 ENGINE_FLAGS = ("dtype", "device", "max_num_seqs", "max_num_batched_tokens", "num_kv_blocks", "block_size",
-                "quantization", "quantization_group_size", "kv_cache_dtype")
+                "quantization", "quantization_group_size", "kv_cache_dtype", "max_loras", "max_lora_rank")
+
+
+MAX_NAME = 255  # a served name names a queue and a stored column (api.store's limit on model names)
 
 
 class UsageError(Exception):
@@ -83,6 +87,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--quantization-group-size", type=int, choices=[32, 64, 128], metavar="N",
                        help="int4 group size along the input dimension (default 128)")
     group.add_argument("--kv-cache-dtype", choices=["auto", "int8"], help="int8 holds about twice the tokens")
+    group.add_argument("--lora", action="append", default=[], metavar="NAME=PATH",
+                       help="serve a PEFT LoRA adapter directory under NAME: a request whose `model` is NAME runs "
+                            "with it (repeatable)")
+    group.add_argument("--lora-dir", action="append", default=[], type=Path, metavar="DIR",
+                       help="serve every subdirectory of DIR as a LoRA adapter named by the subdirectory (repeatable)")
+    group.add_argument("--max-loras", type=int, metavar="N",
+                       help="adapters on the device at once: the most distinct adapters one step runs (default 8)")
+    group.add_argument("--max-lora-rank", type=int, metavar="N", help="the largest adapter rank accepted (default 64)")
 
 
 # the `engine` extra's packages by import name (pyproject.toml): `run`, `worker` and `serve` need them; an API host not
@@ -97,19 +109,63 @@ def require_engine() -> None:
                          "pip install 'sluice[engine]' (on a GPU host 'sluice[gpu]')")
 
 
+def lora_adapters(args: argparse.Namespace) -> dict[str, str]:
+    """--lora and --lora-dir as served name -> adapter directory, in the order given; a malformed flag is a
+    UsageError naming it. The adapters themselves are read and checked by load_engine."""
+    adapters: dict[str, str] = {}
+    base = served_model_name(args)
+
+    def add(name: str, path: str, flag: str) -> None:
+        if not name.strip() or len(name) > MAX_NAME or "\x00" in name:
+            raise UsageError(f"{flag}: an adapter name has 1 to {MAX_NAME} characters, not all blank, none of them NUL")
+        if name in adapters:
+            raise UsageError(f"{flag}: adapter name {name!r} is given twice")
+        if name == base:
+            raise UsageError(f"{flag}: adapter name {name!r} is the base model's served name; requests naming it run "
+                             "the base model")
+        adapters[name] = path
+
+    for spec in args.lora:
+        name, sep, path = spec.partition("=")
+        if not sep or not path:
+            raise UsageError(f"--lora {spec!r}: give NAME=PATH")
+        add(name, str(Path(path).resolve()), f"--lora {spec}")
+    for folder in args.lora_dir:
+        if not folder.is_dir():
+            raise UsageError(f"--lora-dir {folder}: directory not found")
+        for sub in sorted(p for p in folder.iterdir() if p.is_dir() and not p.name.startswith(".")):
+            add(sub.name, str(sub.resolve()), f"--lora-dir {folder}")
+    return adapters
+
+
+def served_models(args: argparse.Namespace) -> ServedModels:
+    """The base model's served name and the adapters of --lora and --lora-dir (usage errors before anything loads)."""
+    from sluice.worker.adapters import ServedModels
+
+    return ServedModels.of(served_model_name(args), lora_adapters(args))
+
+
 def load_engine(args: argparse.Namespace) -> LLMEngine:
+    """The engine of the engine flags, every adapter of --lora and --lora-dir read and checked before any work."""
     if args.model != "demo" and not Path(args.model).is_dir():
         raise UsageError(f"model directory {args.model} not found (give a checkpoint directory or 'demo')")
     from sluice.worker.engine import LLMEngine
 
+    served = served_models(args)
     kwargs = {name: getattr(args, name) for name in ENGINE_FLAGS if getattr(args, name) is not None}
     try:
-        return LLMEngine(args.model, **kwargs)
+        engine = LLMEngine(args.model, enable_lora=bool(served.loras), **kwargs)
     except (ValueError, OSError) as e:
         raise UsageError(f"cannot load model {args.model}: {e}") from None
     except (TypeError, *_config_errors()) as e:  # a config.json value of the wrong type, as transformers reads it
         problem = " ".join(str(e).split())
         raise UsageError(f"--model {args.model}: config.json: {problem}") from None
+    for request in served.loras.values():
+        try:
+            engine.add_lora(request)
+        except (ValueError, OSError) as e:  # ModelError names the adapter and the problem
+            raise UsageError(f"cannot load LoRA adapter {request.lora_path}: {e}") from None
+    return engine
 
 
 def _config_errors() -> tuple[type[Exception], ...]:

@@ -15,7 +15,7 @@ from sluice.worker.cli.common import (
     load_engine,
     os_problem,
     require_engine,
-    served_model_name,
+    served_models,
 )
 
 
@@ -45,6 +45,7 @@ def run_command(args: argparse.Namespace) -> int:
         check_writable(path)  # before the model loads, which takes a while
     if args.output.resolve() == errors.resolve():
         raise UsageError("the output and error files must differ")
+    served = served_models(args)  # a malformed --lora before the model loads
     from sluice.worker.run import ResumeError, RunIOError, finished_ids, run_batch
 
     try:
@@ -56,7 +57,7 @@ def run_command(args: argparse.Namespace) -> int:
     engine = load_engine(args)
     resume = f"finished results are in {args.output}, rerun the same command to resume"
     try:
-        summary = run_batch(args.input, args.output, errors, engine, served_model_name(args), done)
+        summary = run_batch(args.input, args.output, errors, engine, served, done)
     except KeyboardInterrupt:
         print(f"\nsluice run: interrupted; {resume}", file=sys.stderr)
         return 130

@@ -27,7 +27,7 @@ from sluice.worker.cli.common import (
     port,
     read_settings,
     require_engine,
-    served_model_name,
+    served_models,
 )
 
 KEY_FILE = "api_key"
@@ -52,6 +52,7 @@ def serve_command(args: argparse.Namespace) -> int:
     from sluice.api.store import gpu_hour_cost
 
     settings, *_ = read_settings(Settings.from_env, chunk_size, gpu_hour_cost, reconcile_seconds)
+    served = served_models(args)
     try:
         args.data_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:  # a file of that name, or no permission
@@ -80,15 +81,19 @@ def serve_command(args: argparse.Namespace) -> int:
     except (OperationalError, OSError) as e:  # a directory it may not write in, a database file it may not open
         problem = e.orig if isinstance(e, OperationalError) else e.strerror or e
         raise UsageError(f"--data-dir {args.data_dir}: cannot keep the database and API key there: {problem}") from None
-    name = served_model_name(args)
-    worker = GpuWorker(partial(load_engine, args), WorkerSettings(name, args.model), sessions, celery).start()
-    api = create_app(sessions, celery, dataclasses.replace(settings, models=(name,)))
+    name, adapters = served.base, served.adapters
+    worker = GpuWorker(partial(load_engine, args), WorkerSettings(name, args.model, adapters), sessions,
+                       celery).start()
+    api = create_app(sessions, celery, dataclasses.replace(settings, models=tuple(served.names),
+                                                           adapter_parents=dict.fromkeys(adapters, name)))
     server = uvicorn.Server(uvicorn.Config(api, host=args.host, port=args.port, log_level=args.loglevel.lower()))
     threading.Thread(target=server.run, args=([listener],), name="api", daemon=True).start()
-    print(f"sluice serve: model {name!r} at http://{args.host}:{args.port}/v1 ; API key in "
+    also = f" with LoRA adapters {', '.join(map(repr, adapters))}" if adapters else ""
+    print(f"sluice serve: model {name!r}{also} at http://{args.host}:{args.port}/v1 ; API key in "
           f"{args.data_dir / KEY_FILE}:\n{key}", file=sys.stderr)
     try:
-        serve_queues(worker, celery, [model_queue(name), WEBHOOKS_QUEUE, MAINTENANCE_QUEUE], args.loglevel, "serve")
+        serve_queues(worker, celery, [*map(model_queue, served.names), WEBHOOKS_QUEUE, MAINTENANCE_QUEUE],
+                     args.loglevel, "serve")
     finally:
         server.should_exit = True
     return 0

@@ -1,4 +1,5 @@
-"""`sluice worker`: a GPU worker process, one engine fed by a Celery worker on the model's queue (threads pool).
+"""`sluice worker`: a GPU worker process, one engine fed by a Celery worker on the model's queue (threads pool), and
+on the queue of each LoRA adapter it serves.
 
 The engine is built and stepped in a child process started with spawn (worker/engine_process.py), and this process
 never initialises CUDA nor forks (the threads pool never forks), so CUDA is initialised once, where it is used.
@@ -23,7 +24,7 @@ from sluice.worker.cli.common import (
     port,
     read_settings,
     require_engine,
-    served_model_name,
+    served_models,
 )
 
 
@@ -78,8 +79,8 @@ def worker_command(args: argparse.Namespace) -> int:
     if args.engine_nice is not None and not -20 <= args.engine_nice <= 19:
         raise UsageError(f"--engine-nice must be from -20 to 19, got {args.engine_nice}")
     logging.basicConfig(level=args.loglevel.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    name = served_model_name(args)
-    settings = WorkerSettings(name, args.model, lease_seconds=args.lease_seconds,
+    served = served_models(args)
+    settings = WorkerSettings(served.base, args.model, served.adapters, lease_seconds=args.lease_seconds,
                               reconcile_seconds=args.reconcile_seconds, stale_seconds=args.stale_seconds,
                               shutdown_grace_seconds=args.shutdown_grace_seconds, window_seconds=args.window_seconds,
                               metrics_port=args.metrics_port, engine_threads=args.engine_threads,
@@ -89,10 +90,10 @@ def worker_command(args: argparse.Namespace) -> int:
     database = make_db_engine(pre_ping=False, pool_size=concurrency + 2)
     worker = GpuWorker(partial(load_engine, args), settings, db.session_factory(database), app)
     try:
-        worker.start()  # builds the engine on its own thread; a bad model is load_engine's UsageError
+        worker.start()  # builds the engine on its own thread; a bad model or adapter is load_engine's UsageError
     except SQLAlchemyError as e:
         raise UsageError(f"cannot reach the database ({db.database_url()}): {e}") from None
-    serve_queues(worker, app, [model_queue(name)], args.loglevel, "gpu", concurrency)
+    serve_queues(worker, app, [model_queue(name) for name in served.names], args.loglevel, "gpu", concurrency)
     return 0
 
 

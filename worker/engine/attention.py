@@ -44,7 +44,10 @@ class LayerCache:
 class AttentionBackend(Protocol):
     def store(self, k: torch.Tensor, v: torch.Tensor, cache: LayerCache, meta: AttentionMetadata) -> None: ...
 
-    def attend(self, q: torch.Tensor, cache: LayerCache, meta: AttentionMetadata, scale: float) -> torch.Tensor: ...
+    def attend(self, q: torch.Tensor, cache: LayerCache, meta: AttentionMetadata, scale: float,
+               softcap: float | None = None) -> torch.Tensor:
+        """softmax(scores) v with scores = q k^T * scale, or softcap * tanh(that / softcap) (Gemma 2), masked causally
+        and to meta.sliding_window."""
 
 
 # Decode rows attended together: at least DECODE_BUCKET, more while the bucket's gathered K and V stay within
@@ -119,19 +122,21 @@ class TorchAttention:
         cache.k.view(nb * bs, h, d).index_copy_(0, meta.slot_mapping, k)
         cache.v.view(nb * bs, h, d).index_copy_(0, meta.slot_mapping, v)
 
-    def attend(self, q: torch.Tensor, cache: LayerCache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, cache: LayerCache, meta: AttentionMetadata, scale: float,
+               softcap: float | None = None) -> torch.Tensor:
         plan = self._step_plan(meta, cache, q)
         out = torch.empty_like(q)
         if plan.cpu_decode:
             nd = meta.num_decodes
             cpu_attention.paged_decode_attention_cpu(q[:nd], cache.k, cache.v, meta.block_tables[:nd],
-                                                     meta.context_lens[:nd], scale, meta.sliding_window, out[:nd])
+                                                     meta.context_lens[:nd], scale, meta.sliding_window, out[:nd],
+                                                     softcap)
         for b in plan.decodes:
-            out[b.rows] = self._decode(q[b.rows], cache, b, scale)
+            out[b.rows] = self._decode(q[b.rows], cache, b, scale, softcap)
         for p in plan.prefills:
-            out[p.tokens] = self._prefill(q[p.tokens], cache, p, scale)
+            out[p.tokens] = self._prefill(q[p.tokens], cache, p, scale, softcap)
         for b in plan.short_prefills:
-            out[b.src] = self._short_prefill(q, cache, b, scale)
+            out[b.src] = self._short_prefill(q, cache, b, scale, softcap)
         return out
 
     def _native_decode(self, q: torch.Tensor, cache: LayerCache, meta: AttentionMetadata) -> bool:
@@ -152,30 +157,58 @@ class TorchAttention:
                 _short_prefill_buckets(meta, short, block_size, token_bytes, dtype), native))
         return plan[1]
 
-    def _decode(self, q: torch.Tensor, cache: LayerCache, b: DecodeBucket, scale: float) -> torch.Tensor:
+    def _decode(self, q: torch.Tensor, cache: LayerCache, b: DecodeBucket, scale: float,
+                softcap: float | None) -> torch.Tensor:
         n, heads, d = q.shape
         kv_heads = cache.k.shape[2]
         k, v = _gather(cache, b.table, q.dtype)  # [n, kv_heads, L, d]
         # each KV head's group of query heads forms its query rows: GQA without repeating K/V
-        out = F.scaled_dot_product_attention(q.view(n, kv_heads, heads // kv_heads, d), k, v, attn_mask=b.bias,
-                                             scale=scale)
+        out = _sdpa(q.view(n, kv_heads, heads // kv_heads, d), k, v, b.bias, scale, softcap)
         return out.reshape(n, heads, d)
 
-    def _short_prefill(self, q: torch.Tensor, cache: LayerCache, b: PrefillBucket, scale: float) -> torch.Tensor:
+    def _short_prefill(self, q: torch.Tensor, cache: LayerCache, b: PrefillBucket, scale: float,
+                       softcap: float | None) -> torch.Tensor:
         rows, heads, d = b.table.shape[0], q.shape[1], q.shape[2]
         padded = q.new_zeros(rows * b.width, heads, d)
         padded[b.dst] = q[b.src]
         k, v = _gather(cache, b.table, q.dtype)
-        out = F.scaled_dot_product_attention(padded.view(rows, b.width, heads, d).transpose(1, 2), k, v,
-                                             attn_mask=b.bias, scale=scale, enable_gqa=True)
+        out = _sdpa(padded.view(rows, b.width, heads, d).transpose(1, 2), k, v, b.bias, scale, softcap,
+                    enable_gqa=True)
         return out.transpose(1, 2).reshape(rows * b.width, heads, d)[b.dst]
 
-    def _prefill(self, q: torch.Tensor, cache: LayerCache, p: PrefillRow, scale: float) -> torch.Tensor:
+    def _prefill(self, q: torch.Tensor, cache: LayerCache, p: PrefillRow, scale: float,
+                 softcap: float | None) -> torch.Tensor:
         k, v = _gather(cache, p.table, q.dtype)
         k, v = k[:, :, :p.context], v[:, :, :p.context]
-        out = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), k, v, attn_mask=p.mask,
-                                             is_causal=p.mask is None, scale=scale, enable_gqa=True)
+        out = _sdpa(q.transpose(0, 1).unsqueeze(0), k, v, p.mask, scale, softcap, is_causal=p.mask is None,
+                    enable_gqa=True)
         return out.squeeze(0).transpose(0, 1)
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
+          softcap: float | None, is_causal: bool = False, enable_gqa: bool = False) -> torch.Tensor:
+    """SDPA, or with `softcap` its math spelled out (SDPA cannot cap the scores)."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale,
+                                              enable_gqa=enable_gqa)
+    return softcapped_attention(q, k, v, mask, scale, softcap, is_causal)
+
+
+def softcapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
+                         softcap: float, is_causal: bool = False) -> torch.Tensor:
+    """Attention over soft-capped scores in transformers' eager order (scale, cap, mask, float32 softmax): q [...,
+    heads, Lq, d], k and v [..., kv_heads, Lk, d]; `mask` boolean (True: attend) or additive; is_causal aligns the
+    queries to the keys' start, as SDPA's does."""
+    group = q.shape[-3] // k.shape[-3]
+    if group > 1:
+        k, v = k.repeat_interleave(group, dim=-3), v.repeat_interleave(group, dim=-3)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    if is_causal:
+        mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+    return torch.matmul(scores.softmax(-1, dtype=torch.float32).to(q.dtype), v)
 
 
 def bucket_ends(context_lens: list[int], block_size: int, token_bytes: int) -> list[int]:

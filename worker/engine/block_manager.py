@@ -38,6 +38,9 @@ class BlockManager:
         # unreferenced blocks that still hold a cached prefix, least recently used first
         self.evictable: OrderedDict[int, None] = OrderedDict()
         self.hash_to_block: dict[bytes, int] = {}
+        # full prompt blocks a running sequence is computing and has not yet committed: a waiting sequence whose next
+        # block is one of them waits for it instead of computing the same prefix again beside it
+        self.pending: dict[bytes, Sequence] = {}
 
     @property
     def num_blocks(self) -> int:
@@ -62,7 +65,7 @@ class BlockManager:
         assert not seq.block_table
         if not self.enable_prefix_caching:
             return 0
-        bs, parent = self.block_size, None
+        bs, parent = self.block_size, seq.hash_root
         for i in range((seq.num_tokens - 1) // bs):
             tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
             h = chain_hash(parent, tokens)
@@ -74,6 +77,29 @@ class BlockManager:
             seq.block_hashes.append(h)
             parent = h
         return len(seq.block_table) * self.block_size
+
+    def claim(self, seq: Sequence) -> None:
+        """Mark the full prompt blocks an admitted sequence is about to compute as pending, in its name."""
+        if not self.enable_prefix_caching:
+            return
+        bs = self.block_size
+        parent = seq.block_hashes[-1] if seq.block_hashes else seq.hash_root
+        for i in range(len(seq.block_hashes), seq.num_prompt_tokens // bs):
+            parent = chain_hash(parent, tuple(seq.token_ids[i * bs:(i + 1) * bs]))
+            if parent not in self.pending:
+                self.pending[parent] = seq
+                seq.pending_hashes.append(parent)
+
+    def waits_for_pending(self, seq: Sequence) -> bool:
+        """Whether the next block after a sequence's cached prefix (match_prefix) is one another sequence is
+        computing: admitted now, it would compute that block again."""
+        i = len(seq.block_table)
+        if not self.pending or i >= (seq.num_tokens - 1) // self.block_size:
+            return False
+        bs = self.block_size
+        h = chain_hash(seq.block_hashes[-1] if seq.block_hashes else seq.hash_root,
+                       tuple(seq.token_ids[i * bs:(i + 1) * bs]))
+        return self.pending.get(h, seq) is not seq
 
     def holds(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Whether the sequence's own blocks already have room for its next num_new_tokens tokens."""
@@ -111,8 +137,10 @@ class BlockManager:
         bs = self.block_size
         for i in range(len(seq.block_hashes), seq.num_computed_tokens // bs):
             tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
-            h = chain_hash(seq.block_hashes[-1] if seq.block_hashes else None, tokens)
+            h = chain_hash(seq.block_hashes[-1] if seq.block_hashes else seq.hash_root, tokens)
             seq.block_hashes.append(h)
+            if self.pending.get(h) is seq:  # committed: waiting sequences now find it in the cache
+                del self.pending[h]
             block = self.blocks[seq.block_table[i]]
             if h not in self.hash_to_block and block.hash is None:
                 block.hash, block.token_ids = h, tokens
@@ -130,6 +158,10 @@ class BlockManager:
                     self.evictable[block_id] = None
         seq.block_table.clear()
         seq.block_hashes.clear()
+        for h in seq.pending_hashes:  # preempted or finished before committing them: nobody waits on it any more
+            if self.pending.get(h) is seq:
+                del self.pending[h]
+        seq.pending_hashes.clear()
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix (benchmarks, changed weights); refused (False) while a sequence holds blocks."""

@@ -30,6 +30,7 @@ class Choices:
     params: SamplingParams
     arrival_time: float
     priority: int
+    lora: str | None = None  # the adapter every sequence of it runs with
     parent: Sequence | None = None  # None once forked, or when the prompt has no full block to share
     choices: list[Sequence] = field(default_factory=list)
     # the parent's share of the request: its prefix-cache hits, step time and preemptions

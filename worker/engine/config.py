@@ -9,7 +9,18 @@ from pathlib import Path
 
 import torch
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                           "Phi3ForCausalLM", "MixtralForCausalLM", "Qwen3MoeForCausalLM",
+                           "Gemma2ForCausalLM", "Gemma3ForCausalLM")
+# transformers' defaults for what a Gemma config.json may leave out, where they differ from the engine's (a 256
+# head_dim, tied embeddings, windows, Gemma 2's soft caps); models/gemma.py reads the Gemma-only ones from `raw`
+_GEMMA_COMMON = dict(head_dim=256, tie_word_embeddings=True, sliding_window=4096, query_pre_attn_scalar=256,
+                     hidden_activation="gelu_pytorch_tanh")
+GEMMA_DEFAULTS = {
+    "Gemma2ForCausalLM": dict(_GEMMA_COMMON, max_position_embeddings=8192, attn_logit_softcapping=50.0,
+                              final_logit_softcapping=30.0),
+    "Gemma3ForCausalLM": dict(_GEMMA_COMMON, max_position_embeddings=131072),
+}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CPU_DEFAULT_KV_CACHE_MEMORY = 1 << 30
 CUDA_MEMORY_FRACTION = 0.9
@@ -43,6 +54,7 @@ class ModelConfig:
     o_proj_bias: bool = False
     mlp_bias: bool = False
     layer_windows: list[int | None] | None = None  # per layer; None: every layer takes sliding_window
+    partial_rotary_factor: float = 1.0  # Phi3: rope turns the first int(head_dim * factor) dims of each head
     # config.json as read: a model class takes the fields only its architecture has (q/k norms, experts, soft caps)
     raw: dict = field(default_factory=dict, repr=False, compare=False)
 
@@ -69,16 +81,21 @@ class ModelConfig:
                 f"{source}: unsupported architecture {archs or raw.get('model_type')!r}; "
                 f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
+        raw = {**GEMMA_DEFAULTS.get(arch, {}), **raw}
         try:
             num_heads = raw["num_attention_heads"]
             hidden = raw["hidden_size"]
             rope = raw.get("rope_parameters") or {}
             scaling = raw.get("rope_scaling") or rope
             rope_type = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
-            _check_supported(raw, source)
+            if arch == "Phi3ForCausalLM":
+                rope_type, scaling = _phi3_rope(raw, rope_type, scaling)
+            _check_supported(raw, source, arch)
             windows = layer_windows(raw, arch)
             window = next((w for w in windows if w), None) if windows is not None else _mistral_window(raw, arch)
             llama_bias = arch == "LlamaForCausalLM" and raw.get("attention_bias", False)  # HF Mistral has none
+            qwen3_bias = arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM") and raw.get("attention_bias", False)
+            gemma_bias = arch in GEMMA_DEFAULTS and raw.get("attention_bias", False)  # q/k/v and o_proj
             eos = raw.get("eos_token_id")
             return cls(
                 architecture=arch,
@@ -94,11 +111,13 @@ class ModelConfig:
                 rope_scaling=None if rope_type == "default" else {**scaling, "rope_type": rope_type},
                 max_position_embeddings=raw.get("max_position_embeddings", 4096),
                 tie_word_embeddings=raw.get("tie_word_embeddings", False),
-                attention_bias=arch == "Qwen2ForCausalLM" or llama_bias,
-                o_proj_bias=llama_bias,  # transformers' Llama biases o_proj too; Qwen2 only q/k/v
+                attention_bias=arch == "Qwen2ForCausalLM" or llama_bias or qwen3_bias or gemma_bias,
+                # transformers' Llama, Qwen3 and Gemma bias o_proj too; Qwen2 only q/k/v
+                o_proj_bias=llama_bias or qwen3_bias or gemma_bias,
                 mlp_bias=arch == "LlamaForCausalLM" and raw.get("mlp_bias", False),
                 sliding_window=window,
                 layer_windows=windows,
+                partial_rotary_factor=scaling.get("partial_rotary_factor", 1.0) if arch == "Phi3ForCausalLM" else 1.0,
                 dtype=DTYPES.get(str(raw.get("torch_dtype") or raw.get("dtype") or "float32"), torch.float32),
                 eos_token_ids=[] if eos is None else [eos] if isinstance(eos, int) else list(eos),
                 raw=raw,
@@ -108,33 +127,69 @@ class ModelConfig:
 
 
 def _mistral_window(raw: dict, arch: str) -> int | None:
-    """Mistral's window. A Llama config may carry one too (llamafied Mistral or Qwen2 checkpoints), but transformers'
-    Llama attends in full whatever it says, as vLLM's does: sliding there computed another model."""
-    return raw.get("sliding_window") if arch == "MistralForCausalLM" else None
+    """Mistral's window, and Phi3's (every layer slides). A Llama config may carry one too (llamafied Mistral or Qwen2
+    checkpoints), but transformers' Llama attends in full whatever it says, as vLLM's does: sliding there computed
+    another model."""
+    if arch == "Qwen3MoeForCausalLM":  # every layer slides when use_sliding_window
+        return raw.get("sliding_window") if raw.get("use_sliding_window", False) else None
+    slides = arch in ("MistralForCausalLM", "Phi3ForCausalLM", "MixtralForCausalLM")
+    return raw.get("sliding_window") if slides else None
 
 
-def _check_supported(raw: dict, source: str) -> None:
+def _phi3_rope(raw: dict, rope_type: str, scaling: dict) -> tuple[str, dict]:
+    """Phi3's rope as transformers' Phi3Config reads it: "su" and "yarn" are longrope, longrope's pretraining length is
+    the top-level original_max_position_embeddings (4096 without one), partial_rotary_factor may sit at either level."""
+    scaling = {**scaling, "partial_rotary_factor": scaling.get("partial_rotary_factor",
+                                                               raw.get("partial_rotary_factor", 1.0))}
+    if rope_type in ("su", "yarn", "longrope"):
+        rope_type = "longrope"
+        scaling["original_max_position_embeddings"] = raw.get("original_max_position_embeddings", 4096)
+    return rope_type, scaling
+
+
+def _check_supported(raw: dict, source: str, arch: str) -> None:
     """Refuse what the engine would otherwise load and compute wrongly without a word."""
-    quant = raw.get("quantization_config")
-    if quant:
-        method = quant.get("quant_method", "unknown") if isinstance(quant, dict) else "unknown"
-        raise ModelError(f"{source}: pre-quantized checkpoints are not supported (quant_method {method!r}); use the "
-                         f"float checkpoint with --quantization int8/int4 (quantization='int8'/'int4')")
+    from sluice.worker.engine.prequantized import checkpoint_quantization  # it imports ModelError from here
+
+    checkpoint_quantization(raw, source)  # refuses the methods and formats it cannot repack, naming them
+    if arch in GEMMA_DEFAULTS:
+        _check_gemma(raw, source)
+        return
     act = raw.get("hidden_act", "silu")
     if act not in ("silu", "swish"):
         raise ModelError(f"{source}: unsupported hidden_act {act!r}; the engine's MLP is SiLU-gated (silu/swish)")
 
 
+def _check_gemma(raw: dict, source: str) -> None:
+    """Gemma's MLP is GELU-gated, named by hidden_activation (transformers ignores a hidden_act there)."""
+    act = raw["hidden_activation"]
+    if act != "gelu_pytorch_tanh":
+        raise ModelError(f"{source}: unsupported hidden_activation {act!r}; Gemma's MLP is gelu_pytorch_tanh-gated")
+    if raw.get("use_bidirectional_attention"):
+        raise ModelError(f"{source}: use_bidirectional_attention is not supported (the engine attends causally)")
+
+
 def layer_windows(raw: dict, arch: str) -> list[int | None] | None:
-    """Qwen2's per-layer windows, as transformers reads them: `layer_types` if given, else the layers from
+    """Qwen2's and Qwen3's per-layer windows, as transformers reads them: `layer_types` if given, else the layers from
     max_window_layers on slide (when use_sliding_window). None for Llama and Mistral: one window (or none) for all."""
-    if arch != "Qwen2ForCausalLM":
+    if arch in GEMMA_DEFAULTS:
+        return _gemma_windows(raw, arch)
+    if arch not in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
         return None
     n = raw["num_hidden_layers"]
     window = raw.get("sliding_window") if raw.get("use_sliding_window", False) else None
     types = raw.get("layer_types") or ["sliding_attention" if window is not None and i >= raw.get(
         "max_window_layers", 28) else "full_attention" for i in range(n)]
     return [window if t == "sliding_attention" else None for t in types]
+
+
+def _gemma_windows(raw: dict, arch: str) -> list[int | None]:
+    """Gemma's, as transformers reads them: `layer_types` if given, else every `pattern`-th layer attends in full and
+    the others slide (Gemma 2: every other layer; Gemma 3: sliding_window_pattern, 6 unless given)."""
+    pattern = 2 if arch == "Gemma2ForCausalLM" else raw.get("sliding_window_pattern", 6)
+    types = raw.get("layer_types") or ["sliding_attention" if (i + 1) % pattern else "full_attention"
+                                       for i in range(raw["num_hidden_layers"])]
+    return [raw["sliding_window"] if t == "sliding_attention" else None for t in types]
 
 
 @dataclass
@@ -158,8 +213,14 @@ class EngineConfig:
     linear_backend: str = "auto"
     cpu_gemm: str = "auto"  # float32 CPU projections: "mkl", "onednn", or "auto" (MKL on Intel, oneDNN elsewhere)
     load_format: str = "auto"
+    enable_lora: bool = False  # LoRA adapters, named per request (lora.LoRARequest), served beside the base model
+    max_loras: int = 8  # adapters on the device at once: the most distinct adapters one step can run
+    max_lora_rank: int = 64
 
     def __post_init__(self) -> None:
+        for name in ("max_loras", "max_lora_rank"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"dtype must be 'auto' or one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.scheduling_policy not in ("decode_first", "prefill_first"):

@@ -15,6 +15,7 @@ CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
+CONFIG_CLASSES = {"Gemma3ForCausalLM": "Gemma3TextConfig"}  # where it is not <kind>Config (Gemma3Config is multimodal)
 DEMO_SHAPE = dict(hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=2048)
 
@@ -72,7 +73,7 @@ def build_checkpoint(out_dir: str | Path, architecture: str = "LlamaForCausalLM"
     kind = architecture.removesuffix("ForCausalLM")
     shape = {**DEMO_SHAPE, "vocab_size": len(tokenizer), "bos_token_id": tokenizer.bos_token_id,
              "eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id, **overrides}
-    config = getattr(transformers, f"{kind}Config")(**shape)
+    config = getattr(transformers, CONFIG_CLASSES.get(architecture, f"{kind}Config"))(**shape)
     torch.manual_seed(seed)
     model = getattr(transformers, architecture)(config).to(getattr(torch, dtype))
     model.save_pretrained(str(out_dir))
@@ -101,3 +102,21 @@ def demo_model_dir() -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def build_lora_adapter(base_dir: str | Path, out_dir: str | Path, rank: int = 8, alpha: float = 16,
+                       targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                                   "down_proj"), seed: int = 0, use_rslora: bool = False) -> Path:
+    """Write a random LoRA adapter for the checkpoint at base_dir with PEFT (needs `peft`): B random too, not PEFT's
+    zeros, so that the adapter changes the model's outputs."""
+    import peft
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    base = transformers.AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32)
+    config = peft.LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(targets), init_lora_weights=False,
+                             use_rslora=use_rslora)
+    model = peft.get_peft_model(base, config)
+    model.save_pretrained(str(out_dir))
+    return Path(out_dir)

@@ -28,10 +28,16 @@ class Linear(nn.Module):
         start = sum(self.out_sizes[:shard])
         return slice(start, start + self.out_sizes[shard])
 
+    lora = None  # the adapters' updates of this projection (lora_layers.LoRALayer) when the engine serves LoRA
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        y = self.method.apply(self, x)
+        if self.lora is not None:
+            y = self.lora.apply(x, y)
         # the output's width named, not inferred: a step that samples nothing gives the last layer's o_proj no rows
-        return self.method.apply(self, x.reshape(-1, shape[-1])).reshape(*shape[:-1], self.out_features)
+        return y.reshape(*shape[:-1], self.out_features)
 
 
 class Dense:

@@ -14,6 +14,7 @@ from sluice.worker.engine.block_manager import BlockManager
 from sluice.worker.engine.choices import Choices, choice_seed
 from sluice.worker.engine.config import EngineConfig, ModelConfig
 from sluice.worker.engine.grammar import Grammars, accept, fork_matcher
+from sluice.worker.engine.lora import LoRARequest
 from sluice.worker.engine.model_runner import ModelRunner
 from sluice.worker.engine.outputs import RequestOutput
 from sluice.worker.engine.processor import InputProcessor, Prompt, RequestRejected, load_tokenizer, max_model_len
@@ -77,23 +78,34 @@ class LLMEngine:
         return self.processor.encode_chat(messages, tools)
 
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
-                    priority: int = 0, arrival_time: float | None = None) -> str:
-        """Queue one request; raises RequestRejected (naming the limit) if it could never run."""
+                    priority: int = 0, arrival_time: float | None = None,
+                    lora_request: LoRARequest | None = None) -> str:
+        """Queue one request; raises RequestRejected (naming the limit) if it could never run, ModelError if its
+        adapter cannot be loaded."""
         params = params or SamplingParams()
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in the engine")
         token_ids = self.encode(prompt)
         self.check(token_ids, params)
+        lora = self.add_lora(lora_request) if lora_request is not None else None
         arrival_time = time.time() if arrival_time is None else arrival_time
         text = prompt if isinstance(prompt, str) else None
         if params.n > 1:
-            self._add_choices(Choices(request_id, text, token_ids, params, arrival_time, priority))
+            self._add_choices(Choices(request_id, text, token_ids, params, arrival_time, priority, lora=lora))
             return request_id
         seq = self._new_sequence(request_id, token_ids, params, arrival_time, priority, text, params.seed)
+        seq.lora = lora
         self.requests[request_id] = seq
         self._schedule(seq)
         return request_id
+
+    def add_lora(self, request: LoRARequest) -> str:
+        """Read an adapter (once: later requests naming it reuse it); returns its name. ModelError if it cannot
+        serve on this base model."""
+        if self.runner.lora is None:
+            raise ValueError(f"adapter {request.lora_name!r} asked of an engine without LoRA: set enable_lora=True")
+        return self.runner.lora.add(request).name
 
     def _new_sequence(self, request_id: str, token_ids: list[int], params: SamplingParams, arrival_time: float,
                       priority: int, prompt: str | None, seed: int | None) -> Sequence:
@@ -113,7 +125,7 @@ class LLMEngine:
         shared = (len(group.prompt_token_ids) - 1) // self.block_manager.block_size * self.block_manager.block_size
         if shared:
             group.parent = Sequence(group.request_id, group.prompt_token_ids[:shared], group.params,
-                                    group.arrival_time, group.priority, group=group)
+                                    group.arrival_time, group.priority, group=group, lora=group.lora)
             self.num_parents += 1
             self._schedule(group.parent)  # with a grammar, the choices fork from the parent's compiled one
             return
@@ -131,7 +143,7 @@ class LLMEngine:
         for i in range(group.params.n):
             seq = self._new_sequence(group.request_id, group.prompt_token_ids, group.params, group.arrival_time,
                                      group.priority, group.prompt, choice_seed(group.params.seed, i))
-            seq.group = group
+            seq.group, seq.lora = group, group.lora
             group.choices.append(seq)
 
     def _fork(self, parent: Sequence) -> None:
@@ -156,7 +168,7 @@ class LLMEngine:
     def max_request_tokens(self) -> int:
         return self.processor.max_request_tokens
 
-    def prompt_logits(self, prompt: Prompt) -> torch.Tensor:
+    def prompt_logits(self, prompt: Prompt, lora_request: LoRARequest | None = None) -> torch.Tensor:
         """Logits [len(prompt), vocab] (float32) at every prompt position: scoring and quality checks.
 
         Call it between steps: it borrows blocks from the cache and gives them back.
@@ -164,6 +176,7 @@ class LLMEngine:
         token_ids = self.encode(prompt)
         self.check(token_ids, SamplingParams(max_tokens=1))
         seq = Sequence("prompt-logits", token_ids, SamplingParams(), time.time())
+        seq.lora = self.add_lora(lora_request) if lora_request is not None else None
         if not self.block_manager.can_allocate(seq, len(token_ids)):
             raise RequestRejected("not enough free KV blocks right now; call prompt_logits between batches")
         self.block_manager.allocate(seq, len(token_ids))
@@ -328,7 +341,7 @@ class LLMEngine:
             "kv_cache_bytes": self.runner.kv_cache_bytes,
             "kv_cache_dtype": "int8" if self.runner.kv_int8 else str(self.runner.dtype).removeprefix("torch."),
             "kv_cache_tokens": bm.num_blocks * bm.block_size,
-            "quantization": self.config.quantization,
+            "quantization": self.runner.quantization,  # "int4", or a checkpoint's own: "gptq-int4"
             "busy_seconds": self.busy_seconds,
         }
 
@@ -345,11 +358,12 @@ def _without_parents(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[torch.
 
 class LLM(LLMEngine):
     def generate(self, prompts: Prompt | Seq[Prompt], sampling_params: SamplingParams | Seq[SamplingParams] | None
-                 = None) -> list[RequestOutput]:
-        """Run prompts (strings or token-id lists) to completion; outputs come back in input order."""
+                 = None, lora_request: LoRARequest | Seq[LoRARequest | None] | None = None) -> list[RequestOutput]:
+        """Run prompts (strings or token-id lists) to completion; outputs come back in input order. `lora_request`:
+        one adapter for every prompt, or one (or None: the base model) per prompt."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        return self._run_all(list(prompts), sampling_params)
+        return self._run_all(list(prompts), sampling_params, lora_request)
 
     def chat(self, conversations: list[dict] | Seq[list[dict]],
              sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
@@ -360,16 +374,18 @@ class LLM(LLMEngine):
             conversations = [conversations]
         return self._run_all([self.encode_chat(c, tools) for c in conversations], sampling_params)
 
-    def _run_all(self, prompts: list[Prompt], sampling_params) -> list[RequestOutput]:
+    def _run_all(self, prompts: list[Prompt], sampling_params, lora_request=None) -> list[RequestOutput]:
         params = sampling_params if isinstance(sampling_params, Seq) else [sampling_params] * len(prompts)
-        if len(params) != len(prompts):
-            raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        loras = lora_request if isinstance(lora_request, Seq) else [lora_request] * len(prompts)
+        if len(params) != len(prompts) or len(loras) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params and {len(loras)} "
+                             f"lora requests")
         ids, done = [], {}
-        for prompt, p in zip(prompts, params):
+        for prompt, p, lora in zip(prompts, params, loras):
             request_id = f"gen-{next(self._ids)}"
             ids.append(request_id)
             try:
-                self.add_request(prompt, p, request_id)
+                self.add_request(prompt, p, request_id, lora_request=lora)
             except RequestRejected as e:
                 done[request_id] = RequestOutput.rejected(request_id, prompt, self.encode(prompt), str(e), time.time())
         while self.has_unfinished_requests():

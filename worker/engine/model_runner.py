@@ -9,10 +9,13 @@ import torch
 
 from sluice.kernels import cpu_layers
 from sluice.worker.engine.attention import AttentionMetadata, LayerCache, TorchAttention
-from sluice.worker.engine.config import CPU_DEFAULT_KV_CACHE_MEMORY, CUDA_MEMORY_FRACTION, EngineConfig, ModelConfig
+from sluice.worker.engine.config import CPU_DEFAULT_KV_CACHE_MEMORY, EngineConfig, ModelConfig
 from sluice.worker.engine.linear import DENSE, ONEDNN_FLOAT32, PACKED_FLOAT32, Linear, can_pack_float32, cpu_gemm
-from sluice.worker.engine.loader import build_model, init_dummy_weights, load_weights
-from sluice.worker.engine.quantization import quantize_model
+from sluice.worker.engine.loader import build_model, init_dummy_weights, load_weights, materialize
+from sluice.worker.engine.lora_layers import LoRAManager
+from sluice.worker.engine.memory import activation_bytes, kv_bytes_per_token, kv_cache_budget
+from sluice.worker.engine.prequantized import checkpoint_quantization
+from sluice.worker.engine.quantization import new_method, quantize_model, quantized_linears
 from sluice.worker.engine.sequence import Sequence
 
 
@@ -25,6 +28,8 @@ class PreparedBatch:
     attention: AttentionMetadata  # slot_mapping [num_tokens], block_tables [num_seqs, max_blocks], ...
     logits_rows: torch.Tensor  # [num_sampled] int64: the rows of the sequences' last tokens, the ones sampled
     sample_seqs: list[Sequence]  # [num_sampled]: the sequences those rows sample for, in their order
+    row_adapters: list[str | None] | None = None  # each row's LoRA adapter (None: the base model), when serving LoRA
+    sampled_rows: list[int] | None = None  # logits_rows on the host, when serving LoRA
 
 
 class ModelRunner:
@@ -43,26 +48,48 @@ class ModelRunner:
         self.backend = self._attention_backend()
         cpu_layers.takes(self.device, self.dtype)  # builds the kernels now (once per machine), not in the first step
         self.model = build_model(model_config, self.backend, max_model_len, self.dtype, self.device)
-        if config.load_format == "dummy":
-            init_dummy_weights(self.model)
-        else:
-            load_weights(self.model, path)
-        if config.quantization:
+        self.quantization = self._load_weights(path)
+        if config.quantization:  # what loading left in float: dummy weights, weights outside the projections
             quantize_model(self.model, config.quantization, config.quantization_group_size,
                            config.backend("linear_backend"), config.quantize_lm_head)
         if config.backend("linear_backend") == "torch":
             self._pack_float32_weights()
+        self.lora = None
+        if config.enable_lora:  # after packing: the adapters' updates ride on whatever form the base weights took
+            self.lora = LoRAManager(self.model, config.max_loras, config.max_lora_rank, self.dtype, self.device,
+                                    use_triton=config.backend("linear_backend") == "triton")
         self.num_blocks = self._num_kv_blocks()
         self.caches = [self._layer_cache() for _ in range(model_config.num_layers)]
 
+    def _load_weights(self, path: str) -> str | None:
+        """Load (or, for load_format 'dummy', draw) the weights; returns the quantization they are held in."""
+        config, linear_backend = self.config, self.config.backend("linear_backend")
+        if config.load_format == "dummy":
+            materialize(self.model, self.device)
+            init_dummy_weights(self.model)
+            return config.quantization
+        prequantized = checkpoint_quantization(self.model_config.raw)
+        if prequantized is not None and config.quantization:
+            raise ValueError(f"quantization={config.quantization!r} quantizes a float checkpoint; {path} is "
+                             f"already quantized ({prequantized.label}): leave quantization unset")
+        on_load = set()
+        if config.quantization:
+            on_load = set(quantized_linears(self.model, config.quantization, config.quantization_group_size,
+                                            config.quantize_lm_head))
+
+        def quantize(layer: Linear):
+            if layer in on_load:
+                return new_method(config.quantization, config.quantization_group_size, linear_backend)
+            return None
+
+        load_weights(self.model, path, self.device, quantize, prequantized, linear_backend)
+        return prequantized.label if prequantized is not None else config.quantization
+
     def _attention_backend(self):
-        kind = self.config.backend("attention_backend")
-        if kind == "torch" or (self.model_config.sliding_window and self.config.attention_backend == "auto"):
+        if self.config.backend("attention_backend") == "torch":
             backend = TorchAttention()
             backend.prepare(self.device, self.dtype)
             return backend
-        if self.model_config.sliding_window:
-            raise ValueError("the triton attention backend has no sliding window; use attention_backend='torch'")
         from sluice.worker.engine.triton_attention import TritonAttention
 
         return TritonAttention()
@@ -101,9 +128,7 @@ class ModelRunner:
 
     def bytes_per_block(self) -> int:
         """K and V of one block in every layer; an INT8 cache adds a float32 scale per token and head."""
-        c = self.model_config
-        per_head = c.head_dim + 4 if self.kv_int8 else c.head_dim * self.dtype.itemsize
-        return 2 * c.num_layers * self.block_size * c.num_kv_heads * per_head
+        return self.block_size * kv_bytes_per_token(self.model_config, self.dtype, self.kv_int8)
 
     def _num_kv_blocks(self) -> int:
         cfg = self.config
@@ -114,9 +139,8 @@ class ModelRunner:
         elif self.device.type == "cuda":
             torch.cuda.empty_cache()  # what loading freed (quantization's float weights) is free, not PyTorch's cache
             free, _ = torch.cuda.mem_get_info(self.device)
-            activations = cfg.max_num_batched_tokens * (self.model_config.intermediate_size * 2
-                                                         + self.model_config.vocab_size) * 4
-            blocks = int((free - activations) * CUDA_MEMORY_FRACTION) // self.bytes_per_block()
+            activations = activation_bytes(self.model_config, cfg.max_num_batched_tokens)
+            blocks = kv_cache_budget(free, activations) // self.bytes_per_block()
         else:
             # no more than the engine could ever use: every sequence at full length
             most = cfg.max_num_seqs * -(-self.max_model_len // self.block_size)
@@ -129,7 +153,14 @@ class ModelRunner:
     def run(self, scheduled: list[tuple[Sequence, int]]) -> tuple[torch.Tensor, list[Sequence]]:
         """One forward over every scheduled token; returns logits for sequences whose last token was computed."""
         batch = self.prepare(scheduled)
-        hidden = self.model(batch.input_ids, batch.positions, self.caches, batch.attention, keep=batch.logits_rows)
+        if self.lora is not None:
+            self.lora.begin_step(batch.row_adapters, batch.sampled_rows)
+        try:
+            hidden = self.model(batch.input_ids, batch.positions, self.caches, batch.attention,
+                                keep=batch.logits_rows)
+        finally:
+            if self.lora is not None:
+                self.lora.end_step()
         if not batch.sample_seqs:
             # nothing reads this step back, so wait for the device here: else its GPU time lands in the next step
             # (whose prepare syncs) and is charged to that step's sequences
@@ -142,7 +173,14 @@ class ModelRunner:
     def all_logits(self, seq: Sequence) -> torch.Tensor:
         """Logits at every position of a sequence's uncomputed tokens (its blocks already allocated)."""
         batch = self.prepare([(seq, seq.num_remaining)])
-        return self.model.compute_logits(self.model(batch.input_ids, batch.positions, self.caches, batch.attention))
+        if self.lora is not None:
+            self.lora.begin_step(batch.row_adapters, None)
+        try:
+            hidden = self.model(batch.input_ids, batch.positions, self.caches, batch.attention)
+        finally:
+            if self.lora is not None:
+                self.lora.end_step()
+        return self.model.compute_logits(hidden)
 
     def prepare(self, scheduled: list[tuple[Sequence, int]]) -> PreparedBatch:
         """The step's tensors on the device, from each scheduled sequence and its number of new tokens."""
@@ -153,7 +191,10 @@ class ModelRunner:
         positions: list[int] = []
         slots: list[int] = []
         query_lens, context_lens, logits_rows, sample_seqs = [], [], [], []
+        row_adapters = [] if self.lora is not None else None
         for seq, n in scheduled:
+            if row_adapters is not None:
+                row_adapters += [seq.lora] * n
             start = seq.num_computed_tokens
             table = seq.block_table
             if n == 1:  # most rows of most steps: no slices or comprehensions to build
@@ -186,4 +227,5 @@ class ModelRunner:
         )  # each layer's window is the model's to set (Decoder.forward)
         return PreparedBatch(torch.tensor(input_ids, dtype=torch.int64, device=dev),
                              torch.tensor(positions, dtype=torch.int64, device=dev), meta,
-                             torch.tensor(logits_rows, dtype=torch.int64, device=dev), sample_seqs)
+                             torch.tensor(logits_rows, dtype=torch.int64, device=dev), sample_seqs, row_adapters,
+                             logits_rows if row_adapters is not None else None)

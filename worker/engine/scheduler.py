@@ -28,6 +28,7 @@ class Scheduler:
     def __init__(self, config: EngineConfig, block_manager: BlockManager):
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.max_loras = config.max_loras  # distinct adapters among the running sequences: the device's slots
         self.prefill_first = config.scheduling_policy == "prefill_first"
         self.block_manager = block_manager
         self.waiting: list[tuple[tuple[int, int], Sequence]] = []  # aborted entries are dropped lazily
@@ -105,18 +106,29 @@ class _Step:
     def admit_waiting(self) -> None:
         if self.out.preempted:  # memory is short: admitting now would only thrash
             return
+        adapters = {seq.lora for seq in self.s.running} - {None}
+        skipped: list[Sequence] = []  # waiting for an adapter slot: passed over, not dropped
         while self.budget and len(self.s.running) < self.s.max_num_seqs:
             seq = self.s.peek_waiting()
             if seq is None:
-                return
+                break
+            if seq.lora is not None and seq.lora not in adapters and len(adapters) >= self.s.max_loras:
+                skipped.append(heapq.heappop(self.s.waiting)[1])
+                continue
             forked = bool(seq.block_table)  # a forked choice comes with its prompt's shared blocks computed
             cached = seq.num_computed_tokens if forked else self.bm.match_prefix(seq)
+            if not forked and self.bm.waits_for_pending(seq):  # a running sibling is computing its next block
+                self.bm.free(seq)
+                skipped.append(heapq.heappop(self.s.waiting)[1])
+                continue
             seq.num_computed_tokens = cached
             n = min(seq.num_remaining, self.budget, self.bm.tokens_that_fit(seq))
             if n <= 0:
                 self.bm.free(seq)
                 seq.num_computed_tokens = 0
-                return
+                break
+            if seq.lora is not None:
+                adapters.add(seq.lora)
             heapq.heappop(self.s.waiting)
             self.s.num_waiting -= 1
             if seq.num_preemptions == 0:
@@ -127,6 +139,10 @@ class _Step:
             seq.status = SequenceStatus.RUNNING
             self.s.running.append(seq)
             self._take(seq, n)
+            if not forked:
+                self.bm.claim(seq)
+        for seq in skipped:
+            heapq.heappush(self.s.waiting, (seq.rank, seq))
 
     def _schedule_running(self, seq: Sequence, n: int) -> None:
         """Schedule n tokens of a running sequence, preempting later-ranked ones when blocks run out."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 from dataclasses import dataclass, field
 from enum import Enum
@@ -44,6 +45,7 @@ class Sequence:
     num_cached_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)
+    pending_hashes: list[bytes] = field(default_factory=list)  # blocks it claimed to compute (BlockManager.claim)
     generator: torch.Generator | None = None
     matcher: Any = None  # its grammar's xgrammar GrammarMatcher (structured outputs; grammar.py)
     grammar: Any = None  # the compiled grammar the matcher runs, from which an n > 1 request's choices fork theirs
@@ -60,9 +62,15 @@ class Sequence:
     gpu_seconds: float = 0.0
     num_preemptions: int = 0
     group: Any = None  # the Choices (choices.py) of an n > 1 request this sequence is the parent or a choice of
+    lora: str | None = None  # the LoRA adapter it runs with (None: the base model)
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def hash_root(self) -> bytes | None:
+        """What its first block's prefix-cache hash chains from: an adapter's KV differs from the base model's."""
+        return None if self.lora is None else hashlib.sha256(b"lora\0" + self.lora.encode()).digest()
 
     @property
     def num_tokens(self) -> int:

@@ -21,6 +21,8 @@ CPU_MLP_ROWS = 512
 
 
 class Attention(nn.Module):
+    softcap: float | None = None  # Gemma 2 soft-caps the scores
+
     def __init__(self, c: ModelConfig, backend: AttentionBackend):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
@@ -35,36 +37,50 @@ class Attention(nn.Module):
         """Stores every token's K and V; returns the output of every token, or of the `keep` rows only."""
         qkv = self.qkv_proj(x).view(x.shape[0], -1, self.head_dim)
         heads = self.num_heads + self.num_kv_heads
-        qk = rope.apply(qkv[:, :heads])  # q's and k's heads are adjacent: rotated in one pass
+        qk = rope.apply(self.norm_qk(qkv[:, :heads]))  # q's and k's heads are adjacent: rotated in one pass
         q, k, v = qk[:, :self.num_heads], qk[:, self.num_heads:], qkv[:, heads:]
         self.backend.store(k, v, cache, meta)
-        out = self.backend.attend(q, cache, meta, self.scale).reshape(-1, self.num_heads * self.head_dim)
+        out = self.backend.attend(q, cache, meta, self.scale, self.softcap).reshape(-1, self.num_heads * self.head_dim)
         return self.o_proj(out if keep is None else out[keep])
+
+    def norm_qk(self, qk: torch.Tensor) -> torch.Tensor:
+        """q's heads then k's [tokens, heads + kv_heads, head_dim], before rope: Llama leaves them, Qwen3 norms them."""
+        return qk
 
 
 class MLP(nn.Module):
+    act = staticmethod(silu_and_mul)  # gate and up side by side -> act(gate) * up (Gemma: GELU-tanh)
+
     def __init__(self, c: ModelConfig, bias: bool = False):
         super().__init__()
         self.gate_up_proj = Linear(c.hidden_size, [c.intermediate_size] * 2, bias=bias)
         self.down_proj = Linear(c.intermediate_size, [c.hidden_size], bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.device.type != "cpu" or x.shape[0] <= CPU_MLP_ROWS:
-            return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        # LoRA finds a projection's rows by their count (lora_layers.LoRAMapping): chunks would hide which they are
+        if x.device.type != "cpu" or x.shape[0] <= CPU_MLP_ROWS or self.down_proj.lora is not None:
+            return self.down_proj(self.act(self.gate_up_proj(x)))
         out = torch.empty_like(x)
         for start in range(0, x.shape[0], CPU_MLP_ROWS):
             rows = slice(start, start + CPU_MLP_ROWS)
-            out[rows] = self.down_proj(silu_and_mul(self.gate_up_proj(x[rows])))
+            out[rows] = self.down_proj(self.act(self.gate_up_proj(x[rows])))
         return out
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, c: ModelConfig, backend: AttentionBackend):
+    attention_cls = Attention
+    norm_cls = RMSNorm
+
+    def __init__(self, c: ModelConfig, backend: AttentionBackend, index: int = 0):
         super().__init__()
-        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.self_attn = Attention(c, backend)
-        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.mlp = MLP(c, c.mlp_bias)
+        self.input_layernorm = self.norm_cls(c.hidden_size, c.rms_norm_eps)
+        self.self_attn = self.attention_cls(c, backend)
+        self.post_attention_layernorm = self.norm_cls(c.hidden_size, c.rms_norm_eps)
+        self.mlp = self.make_mlp(c, index)
+
+    def make_mlp(self, c: ModelConfig, index: int) -> nn.Module:
+        """Layer `index`'s feed-forward block: a subclass returns another (mixture-of-experts models, models/moe.py)."""
+        return MLP(c, c.mlp_bias)
 
     def forward(self, x, residual, rope: Rope, cache: LayerCache, meta: AttentionMetadata,
                 keep: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -80,12 +96,19 @@ class DecoderLayer(nn.Module):
 
 
 class Decoder(nn.Module):
+    layer_cls = DecoderLayer
+    norm_cls = RMSNorm
+    embedding_cls = nn.Embedding
+    rotary_cls = RotaryEmbedding  # its output goes to every layer, which takes its rope from it
+
     def __init__(self, c: ModelConfig, backend: AttentionBackend, max_positions: int):
         super().__init__()
-        self.rotary = RotaryEmbedding(c, max_positions)
-        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(c, backend) for _ in range(c.num_layers))
-        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.rotary = self.rotary_cls(c, max_positions)
+        # a weight given, so none is drawn: random init on the meta device would import torch._dynamo (and Triton)
+        self.embed_tokens = self.embedding_cls(c.vocab_size, c.hidden_size,
+                                               _weight=torch.empty(c.vocab_size, c.hidden_size))
+        self.layers = nn.ModuleList(self.layer_cls(c, backend, i) for i in range(c.num_layers))
+        self.norm = self.norm_cls(c.hidden_size, c.rms_norm_eps)
         self.windows = [c.window(i) for i in range(c.num_layers)]
 
     def forward(self, input_ids, positions, caches: list[LayerCache], meta: AttentionMetadata,
@@ -105,10 +128,13 @@ class Decoder(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """Also serves MistralForCausalLM and Qwen2ForCausalLM: the config says what differs."""
 
+    decoder_cls = Decoder
+    split_fused = True  # the checkpoint stores q/k/v and gate/up as separate tensors (Phi3 stores them fused)
+
     def __init__(self, config: ModelConfig, backend: AttentionBackend, max_positions: int):
         super().__init__()
         self.config = config
-        self.model = Decoder(config, backend, max_positions)
+        self.model = self.decoder_cls(config, backend, max_positions)
         self.lm_head = Linear(config.hidden_size, [config.vocab_size])
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -128,7 +154,7 @@ class LlamaForCausalLM(nn.Module):
             for kind, param in params.items():
                 if not isinstance(param, torch.Tensor) or (module is self.lm_head and self.config.tie_word_embeddings):
                     continue
-                if isinstance(module, Linear) and len(module.out_sizes) > 1:
+                if isinstance(module, Linear) and len(module.out_sizes) > 1 and self.split_fused:
                     prefix, fused = name.rsplit(".", 1)
                     for proj, (target, shard) in FUSED.items():
                         if target == fused:
