@@ -19,6 +19,7 @@ from sluice.worker.engine.linear import (
     can_pack_float32,
     can_pack_mkl,
     cpu_gemm,
+    native_half_gemm,
 )
 
 needs_onednn = pytest.mark.skipif(not can_pack_float32(torch.empty(1)), reason="PyTorch built without oneDNN")
@@ -134,11 +135,13 @@ def test_packed_takes_strided_and_batched_inputs(packed):
 @needs_onednn
 @pytest.mark.parametrize("gemm, packed", [("onednn", PackedOneDnnFloat32),
                                           pytest.param("mkl", PackedMklFloat32, marks=needs_mkl)])
-def test_engine_packs_float32_cpu_weights_only(llama_dir, checkpoints, gemm, packed):
+def test_engine_packs_cpu_weights(llama_dir, checkpoints, gemm, packed):
+    """float32 by the chosen GEMM; bfloat16 by oneDNN's where the CPU multiplies it natively, else left dense."""
     fp32 = LLM(str(llama_dir), num_kv_blocks=8, cpu_gemm=gemm)
     bf16 = LLM(str(llama_dir), num_kv_blocks=8, dtype="bfloat16", cpu_gemm=gemm)
     assert all(isinstance(m.method, packed) for m in fp32.runner.model.modules() if isinstance(m, Linear))
-    assert all(m.method is DENSE for m in bf16.runner.model.modules() if isinstance(m, Linear))
+    half = PackedOneDnnFloat32 if native_half_gemm(torch.bfloat16) else type(DENSE)
+    assert all(isinstance(m.method, half) for m in bf16.runner.model.modules() if isinstance(m, Linear))
     # the logical weight size, as if dense: packing changes the layout, not what the weights cost
     assert fp32.stats()["weight_bytes"] == 2 * bf16.stats()["weight_bytes"]
     # a tied lm_head shares the embedding: packing it would copy the embedding, so it multiplies the shared tensor
@@ -163,3 +166,45 @@ def test_cpu_mlp_runs_long_prefills_in_row_chunks_with_the_same_result(monkeypat
     x = torch.randn(50, 32)  # three full chunks and a partial one
     want = F.linear(silu_and_mul(F.linear(x, mlp.gate_up_proj.weight)), mlp.down_proj.weight)
     torch.testing.assert_close(mlp(x), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not native_half_gemm(torch.bfloat16), reason="no native bfloat16 GEMM on this CPU")
+@pytest.mark.parametrize("rows", [1, 7, 64, 300])
+def test_packed_bfloat16_weights_against_f_linear(rows):
+    torch.manual_seed(0)
+    layer = Linear(256, [96], bias=True)
+    torch.nn.init.normal_(layer.weight, std=0.05)
+    torch.nn.init.normal_(layer.bias)
+    layer = layer.to(torch.bfloat16)
+    w, b = layer.weight.data.float().clone(), layer.bias.data.float()
+    layer.method = PackedOneDnnFloat32(layer)
+    x = torch.randn(rows, 256).bfloat16()
+    got = layer(x)
+    assert got.dtype == torch.bfloat16
+    # float32 accumulation inside oneDNN, one rounding to bfloat16 at the end
+    torch.testing.assert_close(got.float(), F.linear(x.float(), w, b), rtol=1.6e-2, atol=1e-2)
+
+
+@pytest.mark.skipif(not native_half_gemm(torch.bfloat16), reason="no native bfloat16 GEMM on this CPU")
+def test_bfloat16_engine_against_transformers(llama_dir):
+    """The bfloat16 engine (packed oneDNN GEMMs) against transformers' bfloat16 forward: logits within bfloat16's
+    rounding of the float32 ones, greedy tokens agreeing on at least 95% of positions (teacher-forced)."""
+    import transformers
+
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(llama_dir), dtype=torch.bfloat16)
+    llm = LLM(str(llama_dir), dtype="bfloat16")
+    prompt = list(range(5, 70))
+    with torch.no_grad():
+        expected = model(torch.tensor([prompt])).logits[0].float()
+    got = llm.prompt_logits(prompt)
+    assert (got - expected).abs().max() < 0.05 * expected.abs().max()
+    prompts = [[5 + (i * 13 + j * 7) % 400 for j in range(10 + i)] for i in range(12)]
+    agree = total = 0
+    for ids in prompts:  # teacher-forced: at each position of transformers' greedy continuation, the same argmax
+        with torch.no_grad():
+            ref = model.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False, eos_token_id=None,
+                                 pad_token_id=0)[0, len(ids):].tolist()
+        mine = llm.prompt_logits(ids + ref)[len(ids) - 1:-1].argmax(-1).tolist()
+        agree, total = agree + sum(a == b for a, b in zip(mine, ref)), total + len(ref)
+    assert agree >= 0.95 * total, (agree, total)

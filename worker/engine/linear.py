@@ -62,6 +62,24 @@ def can_pack_float32(weight: torch.Tensor) -> bool:
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
 
 
+def native_half_gemm(dtype: torch.dtype) -> bool:
+    """Whether this CPU multiplies bfloat16 (float16) natively, which oneDNN's GEMM then uses: AVX512-BF16 or AMX
+    tiles (AMX-FP16 for float16). Without, oneDNN would convert every tile to float32 first."""
+    import torch.cpu as cpu
+
+    if dtype == torch.bfloat16:
+        return cpu._is_avx512_bf16_supported() or cpu._is_amx_tile_supported()
+    return dtype == torch.float16 and cpu._is_amx_fp16_supported()
+
+
+def can_pack_half(weight: torch.Tensor) -> bool:
+    """A bfloat16 or float16 CPU weight oneDNN can hold pre-blocked and multiply natively (PackedOneDnnFloat32 takes
+    these dtypes too; accumulation stays float32 inside oneDNN)."""
+    return (weight.device.type == "cpu" and weight.dtype in (torch.bfloat16, torch.float16)
+            and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+            and native_half_gemm(weight.dtype))
+
+
 def can_pack_mkl(weight: torch.Tensor) -> bool:
     return can_pack_float32(weight) and torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")
 

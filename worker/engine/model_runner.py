@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -10,13 +11,25 @@ import torch
 from sluice.kernels import cpu_layers
 from sluice.worker.engine.attention import AttentionMetadata, LayerCache, TorchAttention
 from sluice.worker.engine.config import CPU_DEFAULT_KV_CACHE_MEMORY, EngineConfig, ModelConfig
-from sluice.worker.engine.linear import DENSE, ONEDNN_FLOAT32, PACKED_FLOAT32, Linear, can_pack_float32, cpu_gemm
+from sluice.worker.engine.linear import (
+    DENSE,
+    ONEDNN_FLOAT32,
+    PACKED_FLOAT32,
+    Linear,
+    PackedOneDnnFloat32,
+    can_pack_float32,
+    can_pack_half,
+    cpu_gemm,
+    native_half_gemm,
+)
 from sluice.worker.engine.loader import build_model, init_dummy_weights, load_weights, materialize
 from sluice.worker.engine.lora_layers import LoRAManager
 from sluice.worker.engine.memory import activation_bytes, kv_bytes_per_token, kv_cache_budget
 from sluice.worker.engine.prequantized import checkpoint_quantization
 from sluice.worker.engine.quantization import new_method, quantize_model, quantized_linears
 from sluice.worker.engine.sequence import Sequence
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -104,14 +117,23 @@ class ModelRunner:
         return LayerCache(k, v, k_scale, v_scale)
 
     def _pack_float32_weights(self) -> None:
-        """Float32 projections on CPU go to MKL's or oneDNN's packed layout (linear.cpu_gemm); a tied lm_head keeps
-        the embedding's tensor (packing would copy it) and only switches to oneDNN's GEMM, which multiplies an
-        unpacked weight faster than MKL on Intel and AMD CPUs alike."""
+        """Float32 projections on CPU go to MKL's or oneDNN's packed layout (linear.cpu_gemm), bfloat16 and float16
+        ones to oneDNN's where the CPU multiplies them natively; a tied lm_head keeps the embedding's tensor (packing
+        would copy it) and only switches to oneDNN's GEMM, which multiplies an unpacked weight faster than MKL on
+        Intel and AMD CPUs alike."""
+        if self.device.type == "cpu" and self.dtype in (torch.bfloat16, torch.float16) and \
+                not native_half_gemm(self.dtype):
+            log.warning("this CPU has no native %s arithmetic (AVX512-BF16, AMX): its matmuls convert to float32 "
+                        "tile by tile, and --dtype float32 is likely faster", str(self.dtype).removeprefix("torch."))
         packed = PACKED_FLOAT32[cpu_gemm(self.config.cpu_gemm)]
         for module in self.model.modules():
-            if isinstance(module, Linear) and module.method is DENSE and can_pack_float32(module.weight):
-                tied = module.weight is self.model.model.embed_tokens.weight
+            if not (isinstance(module, Linear) and module.method is DENSE):
+                continue
+            tied = module.weight is self.model.model.embed_tokens.weight
+            if can_pack_float32(module.weight):
                 module.method = ONEDNN_FLOAT32 if tied else packed(module)
+            elif can_pack_half(module.weight):  # bfloat16/float16 where the CPU has the instructions: oneDNN's GEMM
+                module.method = ONEDNN_FLOAT32 if tied else PackedOneDnnFloat32(module)
 
     @cached_property  # fixed once loaded, and stats() is read after every step by the worker's metrics
     def weight_bytes(self) -> int:
