@@ -3,8 +3,9 @@
 Each of --requests prompts (long: 300-800 tokens, where sharing matters) asks for 4 sampled completions, either as
 one request with n=4 or as four n=1 requests with seeds seed+0..3, which are the seeds the n=4 choices use: both runs
 generate the same tokens (checked). Prints the prefill tokens each computed, output tokens/s and their ratios. Prefix
-caching is on in both (the default): four requests arriving together still each compute the prompt, since a block
-is shared only once it has been computed. Each variant runs --repeat times, interleaved; the fastest run counts.
+caching is on in both (the default), and the scheduler makes a request wait for prompt blocks a running one is
+computing, so four requests arriving together also compute the prompt about once: what n=4 saves beyond that is the
+scheduling of four requests. Each variant runs --repeat times, interleaved; the fastest run counts.
 Run: python bench/n_choices.py [--requests 16] [--repeat 2]
 """
 

@@ -40,11 +40,12 @@ class LoRARequest:
 @dataclass
 class LoRAModule:
     """One projection's low-rank update: delta = (x @ a.T) @ b.T, with the scaling folded into b.
-    For a fused Linear (q/k/v, gate/up) `a` stacks the targeted shards' A matrices and `b` maps each shard's rank
-    rows back to that shard's output rows."""
+    For a fused Linear (q/k/v, gate/up) `a` stacks the targeted shards' A matrices and `b` is block-diagonal: each
+    shard's B maps its own rank columns to its own output rows (zeros elsewhere), so one product serves every shard
+    (two small matmuls a group of rows instead of one per shard: a CPU step of many adapters is bound by op count)."""
 
     a: torch.Tensor  # [sum of the shards' ranks, in_features]
-    b: list[tuple[slice, slice, torch.Tensor]]  # (output rows, rank columns of a, B [rows, rank] * scaling)
+    b: torch.Tensor  # [out_features, sum of the shards' ranks]
 
     @property
     def rank(self) -> int:
@@ -60,8 +61,7 @@ class LoRAAdapter:
 
     @property
     def nbytes(self) -> int:
-        return sum(m.a.numel() * m.a.element_size() + sum(b.numel() * b.element_size() for *_, b in m.b)
-                   for m in self.modules.values())
+        return sum(m.a.numel() * m.a.element_size() + m.b.numel() * m.b.element_size() for m in self.modules.values())
 
 
 def lora_targets(model: torch.nn.Module) -> dict[str, tuple[str, int | None]]:
@@ -178,10 +178,11 @@ def _scaling(config: dict, module: str, rank: int) -> float:
 
 def _module(linear: Linear, shards: list[tuple[int | None, torch.Tensor, torch.Tensor, float]],
             dtype: torch.dtype) -> LoRAModule:
-    a_parts, b_parts, col = [], [], 0
-    for shard, a, b, scale in sorted(shards, key=lambda s: -1 if s[0] is None else s[0]):
+    shards = sorted(shards, key=lambda s: -1 if s[0] is None else s[0])
+    b_full = torch.zeros(linear.out_features, sum(a.shape[0] for _, a, _, _ in shards), dtype=dtype)
+    col = 0
+    for shard, a, b, scale in shards:
         rows = slice(0, linear.out_features) if shard is None else linear.shard_rows(shard)
-        a_parts.append(a.to(dtype))
-        b_parts.append((rows, slice(col, col + a.shape[0]), (b.float() * scale).to(dtype)))
+        b_full[rows, col:col + a.shape[0]] = (b.float() * scale).to(dtype)
         col += a.shape[0]
-    return LoRAModule(torch.cat(a_parts), b_parts)
+    return LoRAModule(torch.cat([a.to(dtype) for _, a, _, _ in shards]), b_full)

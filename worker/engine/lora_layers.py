@@ -95,8 +95,7 @@ class LoRALayer:
         self.stack_b[slot].zero_()
         if module is not None:
             self.stack_a[slot, :module.rank] = self.slots[slot].a
-            for rows, cols, b in self.slots[slot].b:
-                self.stack_b[slot, rows, cols] = b
+            self.stack_b[slot, :, :module.rank] = self.slots[slot].b
 
     def apply(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """y (the base projection of x) plus each row's adapter update, in place."""
@@ -112,18 +111,20 @@ class LoRALayer:
             t = lora_shrink(x, self.stack_a, seg.order, seg.starts, seg.slots, max_seg_len=seg.longest)
             lora_expand(t, self.stack_b, seg.order, seg.starts, seg.slots, y, max_seg_len=seg.longest)
             return y
+        every_row = len(seg.groups) == 1 and seg.longest == x.shape[0]
         for slot, rows in seg.groups:  # one group per adapter in the step, never per row
             module = self.slots[slot]
             if module is None:
                 continue
-            t = x.index_select(0, rows) @ module.a.T
-            for out_rows, cols, b in module.b:
-                y[:, out_rows].index_add_(0, rows, t[:, cols] @ b.T)
+            if every_row:  # one adapter for the whole step: no gather or scatter
+                y.addmm_(x @ module.a.T, module.b.T)
+            else:
+                y.index_add_(0, rows, (x.index_select(0, rows) @ module.a.T) @ module.b.T)
         return y
 
 
 def _to(module: LoRAModule, device: torch.device) -> LoRAModule:
-    return LoRAModule(module.a.to(device), [(r, c, b.to(device)) for r, c, b in module.b])
+    return LoRAModule(module.a.to(device), module.b.to(device))
 
 
 class LoRAManager:
