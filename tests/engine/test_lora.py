@@ -154,20 +154,25 @@ def test_n_choices_and_seeds_under_an_adapter(llama_dir, adapters):
         assert choice.token_ids == llm.generate([prompt], lone, lora_request=lora)[0].token_ids
 
 
-def test_int8_base_weights_with_adapters(llama_dir, adapters, tmp_path):
-    """The LoRA products on top of INT8 base weights: logits equal PEFT's over the engine's own dequantized weights,
-    within the bfloat16 activations' rounding and far inside each adapter's own effect."""
-    from sluice.kernels.quant import dequantize_int8, quantize_int8
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_quantized_base_weights_with_adapters(llama_dir, adapters, tmp_path, quantization):
+    """The LoRA products on top of INT8/INT4 base weights: logits equal PEFT's over the engine's own dequantized
+    weights, within the bfloat16 activations' rounding and far inside each adapter's own effect."""
+    from sluice.kernels.quant import dequantize_int4, dequantize_int8, quantize_int4, quantize_int8
 
+    group = 32  # divides the tiny model's 64 and 160 input features
+    dequantized = {"int8": lambda w: dequantize_int8(*quantize_int8(w)),
+                   "int4": lambda w: dequantize_int4(*quantize_int4(w, group), group)}[quantization]
     dequant = tmp_path / "dequant"
     build_checkpoint(dequant, "LlamaForCausalLM", seed=1, tokenizer_dir=llama_dir, num_key_value_heads=2)
     tensors = load_file(str(llama_dir / "model.safetensors"))
     for key, w in tensors.items():
         if key.rsplit(".", 2)[-2] in ADAPTERS["all8"][2]:
-            tensors[key] = dequantize_int8(*quantize_int8(w)).to(w.dtype)
+            tensors[key] = dequantized(w).to(w.dtype)
     save_file(tensors, str(dequant / "model.safetensors"), metadata={"format": "pt"})
     base = transformers.AutoModelForCausalLM.from_pretrained(str(dequant), dtype=torch.float32)
-    llm = LLM(str(llama_dir), enable_lora=True, max_lora_rank=16, quantization="int8")
+    llm = LLM(str(llama_dir), enable_lora=True, max_lora_rank=16, quantization=quantization,
+              quantization_group_size=group)
     prompt = list(range(5, 60))
     with torch.no_grad():
         plain = base(torch.tensor([prompt])).logits[0]
