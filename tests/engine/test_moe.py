@@ -5,11 +5,13 @@ expert path against transformers' expert module, routing against its routers; co
 from __future__ import annotations
 
 import shutil
+import sys
 
 import pytest
 import torch
 import transformers
 from safetensors.torch import load_file, save_file
+from test_bounded_loading import MARGIN, largest_tensor_bytes, load_measured
 from test_greedy import hf_greedy, make_prompts, run_engine
 from torch import nn
 
@@ -99,6 +101,49 @@ def test_quantized_experts_equal_transformers_on_their_dequantized_weights(check
     outs = llm.generate([ids for ids, _ in prompts], [SamplingParams(max_tokens=m, temperature=0) for _, m in prompts])
     reference = dequantized_checkpoint(llm, path, tmp_path / "dequantized")
     assert [o.token_ids for o in outs] == hf_greedy(reference, prompts)
+
+
+@pytest.mark.parametrize("arch, mode", [("mixtral", "int4"), ("qwen3_moe", "int8")])
+def test_experts_quantized_on_load_equal_quantizing_the_float_ones(checkpoints, monkeypatch, arch, mode):
+    """Each expert tensor quantized into its rows as it loads: the buffers quantize() makes of the loaded float
+    experts, byte for byte."""
+    path = checkpoints(arch)
+    with monkeypatch.context() as patch:  # quantize_model finds the experts quantized already: never in float
+        quantize = FusedExperts.quantize
+        patch.setattr(FusedExperts, "quantize", lambda self, *a: quantize(self, *a) if self.mode else
+                      pytest.fail("experts loaded in float"))
+        on_load = LLM(str(path), quantization=mode, quantization_group_size=32)
+    after = LLM(str(path))
+    pairs = list(zip(*([m for m in llm.runner.model.modules() if isinstance(m, FusedExperts)]
+                       for llm in (on_load, after)), strict=True))
+    assert pairs
+    for ours, theirs in pairs:
+        theirs.quantize(mode, 32 if mode == "int4" else 0, on_load.config.backend("linear_backend"))
+        assert not hasattr(ours, "w13") and not list(ours.parameters())
+        assert (ours.mode, ours.group_size, ours.backend) == (theirs.mode, theirs.group_size, theirs.backend)
+        buffers, want = dict(ours.named_buffers()), dict(theirs.named_buffers())
+        assert buffers.keys() == want.keys() and len(buffers) == (2 if mode == "int8" else 3) * 2
+        for name, b in buffers.items():
+            assert b.dtype == want[name].dtype and torch.equal(b, want[name]), name
+
+
+MOE_BENCH_SHAPE = dict(hidden_size=512, intermediate_size=1024, num_local_experts=8, num_experts_per_tok=2,
+                       num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2, vocab_size=4096,
+                       max_position_embeddings=2048)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
+def test_int4_experts_load_at_their_weights_plus_one_float_tensor(tmp_path, tokenizer_dir, llama_dir):
+    """Experts are 94% of this model's float weights (96 MiB of float32 experts, 12 MiB of INT4 ones): quantized
+    after loading in float they peaked at about their float size."""
+    from sluice.worker.engine.demo import build_checkpoint
+
+    path = build_checkpoint(tmp_path / "moe", "MixtralForCausalLM", seed=0, tokenizer_dir=tokenizer_dir,
+                            **MOE_BENCH_SHAPE)
+    m = load_measured(str(llama_dir), str(path), quantization="int4")
+    assert m["after"] - m["before"] >= 0.9 * m["weight_bytes"]
+    bound = m["weight_bytes"] + largest_tensor_bytes(path) + MARGIN
+    assert m["peak"] - m["before"] <= bound, {k: v >> 20 for k, v in m.items()}
 
 
 def _hf_config(arch: str, **kw):

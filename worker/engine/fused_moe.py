@@ -5,7 +5,8 @@ Triton kernel (kernels/fused_moe.py) runs all experts in one launch for gate/up 
 torch._grouped_mm does (one GEMM per expert where PyTorch lacks it). The outputs go back to slot order and each
 token sums its choices, weighted by the router.
 
-INT8/INT4 expert weights (quantize, called by quantization.quantize_model): with the triton backend INT8 is
+INT8/INT4 expert weights (quantized by the loader tensor by tensor as they arrive: quantize_on_load, load_rows; or
+from float weights by quantize, called by quantization.quantize_model): with the triton backend INT8 is
 dequantized inside the kernel and INT4 dequantized per call into the model dtype; with the torch backend each expert
 that has rows is dequantized and multiplied in turn.
 """
@@ -147,9 +148,7 @@ class FusedExperts(nn.Module):
             return
         for name in ("w13", "w2"):
             w = self.stacked(name).data
-            if mode == "int4" and (group_size not in INT4_GROUP_SIZES or w.shape[-1] % group_size):
-                raise ValueError(f"experts.{name}: in_features {w.shape[-1]} is not a multiple of int4 group_size "
-                                 f"{group_size}; choose one of {INT4_GROUP_SIZES} that divides it")
+            _check_group_size(name, w.shape[-1], mode, group_size)
             parts = [quantize_int8(w[e]) if mode == "int8" else quantize_int4(w[e], group_size)
                      for e in range(w.shape[0])]
             delattr(self, name)
@@ -157,3 +156,31 @@ class FusedExperts(nn.Module):
             for suffix, tensors in zip(suffixes, zip(*parts)):
                 self.register_buffer(f"{name}_{suffix}", torch.stack(tensors))
         self.mode, self.group_size, self.backend = mode, group_size, backend
+
+    def quantize_on_load(self, mode: str, group_size: int, backend: str, device: torch.device) -> None:
+        """Empty INT8/INT4 buffers (quantize's) in place of w13 and w2, still on the meta device (loader.py):
+        load_rows then fills them tensor by tensor, so the float experts never exist in full."""
+        for name in ("w13", "w2"):
+            w = getattr(self, name)
+            e, n, k = self.stacked(name).shape
+            _check_group_size(name, k, mode, group_size)
+            shapes = ({"qweight": ((e, n, k), torch.int8), "scale": ((e, n), w.dtype)} if mode == "int8" else
+                      {"qweight": ((e, n, k // 2), torch.uint8), "scales": ((e, n, k // group_size), w.dtype),
+                       "zeros": ((e, n, k // group_size), w.dtype)})
+            delattr(self, name)
+            for suffix, (shape, dtype) in shapes.items():
+                self.register_buffer(f"{name}_{suffix}", torch.empty(shape, dtype=dtype, device=device))
+        self.mode, self.group_size, self.backend = mode, group_size, backend
+
+    def load_rows(self, name: str, rows: slice, buffers: tuple[torch.Tensor, ...]) -> None:
+        """One checkpoint tensor's quantized buffers (an expert's gate, up or down: rows of w13 or w2, as
+        checkpoint_tensors gives them) into those rows. Rows quantize on their own: the bytes are quantize's."""
+        suffixes = ("qweight", "scale") if self.mode == "int8" else ("qweight", "scales", "zeros")
+        for suffix, part in zip(suffixes, buffers, strict=True):
+            getattr(self, f"{name}_{suffix}").flatten(0, 1)[rows].copy_(part)
+
+
+def _check_group_size(name: str, in_features: int, mode: str, group_size: int) -> None:
+    if mode == "int4" and (group_size not in INT4_GROUP_SIZES or in_features % group_size):
+        raise ValueError(f"experts.{name}: in_features {in_features} is not a multiple of int4 group_size "
+                         f"{group_size}; choose one of {INT4_GROUP_SIZES} that divides it")

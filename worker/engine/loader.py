@@ -86,8 +86,9 @@ def load_weights(model: nn.Module, path: str | Path, device: torch.device | str 
 
     Each is placed before the next is read: a float parameter is allocated on the device as its first tensor arrives,
     a projection that `quantize` gives a method is quantized shard by shard (q, k, v each on its own: the same bytes
-    as the fused weight's), and a pre-quantized projection is repacked once its tensors are in. Device memory peaks
-    at the final weights plus one float tensor in flight; host memory at one tensor (safetensors_stream.py)."""
+    as the fused weight's), so are modules placing their own rows (MoE experts: load_rows) it gives one, tensor by
+    tensor, and a pre-quantized projection is repacked once its tensors are in. Device memory peaks at the final
+    weights plus one float tensor in flight; host memory at one tensor (safetensors_stream.py)."""
     path = Path(path)
     loading = _Loading(model, torch.device(device), quantize, prequantized, backend)
     with freed_blocks_unmapped():
@@ -161,6 +162,10 @@ class _Loading:
         # projections by weight; a tied lm_head's is the embedding's, loaded as that (quantize_model copies it later)
         self.linear = {id(m.weight): m for m in model.modules() if isinstance(m, Linear)
                        and isinstance(getattr(m, "weight", None), torch.Tensor) and len(self.owners[id(m.weight)]) == 1}
+        # modules that place their own rows (MoE experts) by their parameters, and the method each is quantized with
+        self.row_takers = {id(p): m for m in model.modules() if callable(getattr(m, "load_rows", None))
+                           for p in m._parameters.values() if p is not None}
+        self.row_methods: dict[nn.Module, QuantMethod | None] = {}
         self.num_shards = Counter(id(param) for param, _ in self.expected.values())
         self.placed: dict[int, nn.Parameter] = {}  # meta parameter -> its tensor on the device
         self.pending: dict[Linear, _Shards] = {}
@@ -190,6 +195,8 @@ class _Loading:
         if tuple(tensor.shape) != target_shape:
             raise ModelError(f"{file.name}: tensor {name} has shape {tuple(tensor.shape)}, the config implies "
                              f"{target_shape}")
+        if self._rows_taken(name, param, rows, tensor):
+            return
         layer = self.linear.get(id(param))
         if layer in self.pending and self.pending[layer].stored:
             raise ModelError(f"{file.name}: tensor {name} is float, the projections fused with it are "
@@ -204,6 +211,26 @@ class _Loading:
             dest = self._place(param)
             (dest.data if rows is None else dest.data[rows]).copy_(tensor)
         self.loaded.add(name)
+
+    def _rows_taken(self, name: str, param: nn.Parameter, rows: slice, tensor: torch.Tensor) -> bool:
+        """Quantize the tensor into its module's rows if that module takes its own and `quantize` gives it a method
+        (its quantized buffers allocated at its first tensor); False where it loads as a float parameter."""
+        module = self.row_takers.get(id(param))
+        if module is None:
+            return False
+        if module not in self.row_methods:
+            self.row_methods[module] = method = self.quantize(module)
+            if method is not None:
+                mode, group_size = ("int8", 0) if isinstance(method, Int8Method) else ("int4", method.group_size)
+                module.quantize_on_load(mode, group_size, method.backend, self.device)
+        method = self.row_methods[module]
+        if method is None:
+            return False
+        w = tensor.to(self.device, param.dtype)
+        del tensor
+        module.load_rows(self.owners[id(param)][0][1], rows, _quantize_in_chunks(method, w))
+        self.loaded.add(name)
+        return True
 
     def _part(self, prefix: str, suffix: str, tensor: torch.Tensor, file: Path) -> None:
         pre = self.prequantized

@@ -17,6 +17,7 @@ from sluice.kernels.quant import (
     quantize_int8,
     unpack_int4,
 )
+from sluice.worker.engine.fused_moe import FusedExperts
 from sluice.worker.engine.linear import DENSE, Linear, take_weight
 
 QUANTIZATIONS = ("int8", "int4")
@@ -33,7 +34,8 @@ CPU_INT4_PACK_ROWS = 1024
 def quantize_model(model: torch.nn.Module, mode: str, group_size: int, backend: str, lm_head: bool = False) -> None:
     """Replace the float weight of every attention/MLP projection (and lm_head if asked) by its quantized form."""
     for module in quantized_linears(model, mode, group_size, lm_head):
-        if module.method is DENSE:  # the loader quantizes projections as their tensors arrive (loader.py)
+        # the loader quantizes projections (and experts) as their tensors arrive (loader.py)
+        if isinstance(module, Linear) and module.method is DENSE:
             method = new_method(mode, group_size, backend)
             method.quantize(module)
             module.method = method
@@ -42,8 +44,10 @@ def quantize_model(model: torch.nn.Module, mode: str, group_size: int, backend: 
             module.quantize(mode, group_size, backend)
 
 
-def quantized_linears(model: torch.nn.Module, mode: str, group_size: int, lm_head: bool = False) -> list[Linear]:
-    """The projections `mode` quantizes, each checked against the group size before any weight is read."""
+def quantized_linears(model: torch.nn.Module, mode: str, group_size: int,
+                      lm_head: bool = False) -> list[Linear | FusedExperts]:
+    """The projections `mode` quantizes, each checked against the group size before any weight is read, and the MoE
+    experts (which the loader then quantizes as their tensors arrive, like the projections)."""
     if mode not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {mode!r}")
     if mode == "int4" and group_size not in INT4_GROUP_SIZES:
@@ -55,6 +59,8 @@ def quantized_linears(model: torch.nn.Module, mode: str, group_size: int, lm_hea
             if mode == "int4" and module.in_features % group_size:
                 raise ValueError(f"{name}: in_features {module.in_features} is not a multiple of int4 group_size "
                                  f"{group_size}; choose one of {INT4_GROUP_SIZES} that divides it")
+            found.append(module)
+        elif isinstance(module, FusedExperts):
             found.append(module)
     return found
 
