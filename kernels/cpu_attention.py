@@ -1,5 +1,6 @@
-"""Paged decode attention for float32 on the CPU (csrc/paged_decode_cpu.cpp), compiled on first use with PyTorch's
-C++ extension loader; paged_decode_attention_ref (kernels/decode_attention.py) is its reference."""
+"""Paged decode attention on the CPU for float32, bfloat16 and float16 caches (csrc/paged_decode_cpu.cpp; float32
+arithmetic inside), compiled on first use with PyTorch's C++ extension loader; paged_decode_attention_ref
+(kernels/decode_attention.py) is its reference."""
 
 from __future__ import annotations
 
@@ -15,10 +16,19 @@ def _extension():
     return build("paged_decode_cpu.cpp")
 
 
+def dtypes() -> tuple[torch.dtype, ...]:
+    """The dtypes the built kernel takes: float16 only where the compiler had _Float16."""
+    ext = _extension()
+    if ext is None:
+        return ()
+    return (torch.float32, torch.bfloat16) + ((torch.float16,) if ext.half else ())
+
+
 def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    """Whether the kernel takes this step: float32 query and cache on the CPU, a head_dim it is built for."""
-    return (q.device.type == "cpu" and q.dtype == torch.float32 and k_cache.dtype == torch.float32
-            and q.shape[-1] in HEAD_DIMS and q.shape[1] % k_cache.shape[2] == 0)
+    """Whether the kernel takes this step: query and cache of one dtype it takes on the CPU, a head_dim it is built
+    for."""
+    return (q.device.type == "cpu" and q.dtype == k_cache.dtype and q.shape[-1] in HEAD_DIMS
+            and q.shape[1] % k_cache.shape[2] == 0 and q.dtype in dtypes())
 
 
 def available() -> bool:
@@ -39,8 +49,9 @@ def paged_decode_attention_cpu(
     """softmax(q k^T * scale) v for one query token per sequence over its first context_lens keys (its last
     `sliding_window` of them, if given): q [seqs, heads, head_dim], caches [blocks, block_size, kv_heads, head_dim].
     With `softcap`, the scores are softcap * tanh(scores / softcap) (Gemma 2)."""
-    if not supports(q, k_cache) or v_cache.dtype != torch.float32 or v_cache.shape != k_cache.shape:
-        raise ValueError(f"paged_decode_attention_cpu: float32 CPU tensors with head_dim in {HEAD_DIMS} only, got q "
+    if not supports(q, k_cache) or v_cache.dtype != q.dtype or v_cache.shape != k_cache.shape:
+        raise ValueError(f"paged_decode_attention_cpu: CPU tensors of one dtype of {dtypes()} with head_dim in "
+                         f"{HEAD_DIMS} only, got q "
                          f"{q.dtype} {tuple(q.shape)} on {q.device}, caches {k_cache.dtype} {tuple(k_cache.shape)}")
     if block_tables.dtype != torch.int32 or context_lens.dtype != torch.int32:
         raise ValueError("paged_decode_attention_cpu: block_tables and context_lens must be int32")

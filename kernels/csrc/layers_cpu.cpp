@@ -1,7 +1,10 @@
-// The decoder's element-wise layers on the CPU, float32, each one pass over memory where PyTorch takes three to
-// five ops (and as many passes and dispatches): RMSNorm with the residual add before it, SiLU(gate) * up, and
-// neox-style rotary embedding in place. Built with -ffp-contract=off: no fused multiply-adds, so rotary is bit for
-// bit transformers' x*cos + rotate_half(x)*sin, and RMSNorm differs from it only in its sum's order.
+// The decoder's element-wise layers on the CPU, each one pass over memory where PyTorch takes three to five ops (and
+// as many passes and dispatches): RMSNorm with the residual add before it, SiLU(gate) * up, and neox-style rotary
+// embedding in place. For float32, bfloat16 and float16 tensors: the arithmetic is float32, and wherever PyTorch's
+// form of a layer (worker/engine/layers.py) rounds an intermediate to the tensor's dtype, so does the kernel, so a
+// bfloat16 layer rounds as transformers' bfloat16 forward does. Built with -ffp-contract=off: no fused
+// multiply-adds, so rotary is bit for bit transformers' x*cos + rotate_half(x)*sin, and RMSNorm differs from it only
+// in its sum's order.
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
@@ -18,11 +21,12 @@ namespace {
 
 using namespace sluice;
 
-// Rows of `grain` work items: about 16k floats a task, so small steps stay on one thread.
+// Rows of `grain` work items: about 16k elements a task, so small steps stay on one thread.
 inline int64_t grain(int64_t width) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(width, 1)); }
 
-// out = weight * (x * rsqrt(mean(x^2) + eps)), transformers' order of operations.
-inline void norm_row(const float* x, const float* weight, int64_t d, float eps, float* out) {
+// out = weight * round(x * rsqrt(mean(x^2) + eps)), transformers' order of operations and roundings.
+template <typename T>
+void norm_row(const T* x, const T* weight, int64_t d, float eps, T* out) {
   int64_t i = 0;
   vec acc{};
   for (; i + LANES <= d; i += LANES) {
@@ -30,83 +34,165 @@ inline void norm_row(const float* x, const float* weight, int64_t d, float eps, 
     acc += v * v;
   }
   float sum = hsum(acc);
-  for (; i < d; ++i) sum += x[i] * x[i];
+  for (; i < d; ++i) sum += static_cast<float>(x[i]) * static_cast<float>(x[i]);
   const float r = 1.0f / std::sqrt(sum / static_cast<float>(d) + eps);
-  for (int64_t j = 0; j < d; ++j) out[j] = weight[j] * (x[j] * r);
+  int64_t j = 0;
+  for (; j + LANES <= d; j += LANES) store(out + j, load(weight + j) * round_to<T>(load(x + j) * r));
+  for (; j < d; ++j) out[j] = static_cast<T>(static_cast<float>(weight[j]) * round_to<T>(static_cast<float>(x[j]) * r));
 }
 
-}  // namespace
+// res += x, rounded once, as PyTorch's add.
+template <typename T>
+void add_row(T* res, const T* x, int64_t d) {
+  int64_t j = 0;
+  for (; j + LANES <= d; j += LANES) store(res + j, load(res + j) + load(x + j));
+  for (; j < d; ++j) res[j] = static_cast<T>(static_cast<float>(res[j]) + static_cast<float>(x[j]));
+}
 
-// x, out [rows, d] with unit column stride, any row stride; weight [d]. residual given: residual += x first (in
-// place), and the norm is of the sum, as a decoder layer adds its sublayer's output to the residual stream.
-void rms_norm(const torch::Tensor& x, const std::optional<torch::Tensor>& residual, const torch::Tensor& weight,
-              double eps, torch::Tensor& out) {
+template <typename T>
+void rms_norm_impl(const torch::Tensor& x, const std::optional<torch::Tensor>& residual, const torch::Tensor& weight,
+                   float eps, torch::Tensor& out) {
   const int64_t rows = x.size(0), d = x.size(1);
-  const float* xp = x.data_ptr<float>();
-  const float* wp = weight.data_ptr<float>();
-  float* rp = residual ? residual->data_ptr<float>() : nullptr;
-  float* op = out.data_ptr<float>();
+  const T* xp = x.data_ptr<T>();
+  const T* wp = weight.data_ptr<T>();
+  T* rp = residual ? residual->data_ptr<T>() : nullptr;
+  T* op = out.data_ptr<T>();
   const int64_t xs = x.stride(0), rs = residual ? residual->stride(0) : 0, os = out.stride(0);
   at::parallel_for(0, rows, grain(d), [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) {
-      const float* src = xp + row * xs;
+      const T* src = xp + row * xs;
       if (rp) {
-        float* res = rp + row * rs;
-        for (int64_t j = 0; j < d; ++j) res[j] += src[j];
+        T* res = rp + row * rs;
+        add_row(res, src, d);
         src = res;
       }
-      norm_row(src, wp, d, static_cast<float>(eps), op + row * os);
+      norm_row(src, wp, d, eps, op + row * os);
     }
   });
 }
 
-// x [rows, 2d] (gate | up), out [rows, d]: silu(gate) * up, silu(g) = g / (1 + exp(-g)) as PyTorch computes it.
-void silu_and_mul(const torch::Tensor& x, torch::Tensor& out) {
+// silu(g) = g / (1 + exp(-g)) as PyTorch computes it, rounded to T as F.silu's output is, then times up.
+template <typename T>
+void silu_and_mul_impl(const torch::Tensor& x, torch::Tensor& out) {
   const int64_t rows = out.size(0), d = out.size(1);
-  const float* xp = x.data_ptr<float>();
-  float* op = out.data_ptr<float>();
+  const T* xp = x.data_ptr<T>();
+  T* op = out.data_ptr<T>();
   const int64_t xs = x.stride(0), os = out.stride(0);
   at::parallel_for(0, rows, grain(2 * d), [&](int64_t begin, int64_t end) {
+    float silu[LANES];
     for (int64_t row = begin; row < end; ++row) {
-      const float* gate = xp + row * xs;
-      const float* up = gate + d;
-      float* o = op + row * os;
-      for (int64_t j = 0; j < d; ++j) o[j] = gate[j] / (1.0f + exp_clamped(-gate[j])) * up[j];
+      const T* gate = xp + row * xs;
+      const T* up = gate + d;
+      T* o = op + row * os;
+      int64_t j = 0;
+      for (; j + LANES <= d; j += LANES) {
+        const vec g = load(gate + j);
+        for (int l = 0; l < LANES; ++l) silu[l] = g[l] / (1.0f + exp_clamped(-g[l]));
+        store(o + j, round_to<T>(load(silu)) * load(up + j));
+      }
+      for (; j < d; ++j) {
+        const float g = static_cast<float>(gate[j]);
+        o[j] = static_cast<T>(round_to<T>(g / (1.0f + exp_clamped(-g))) * static_cast<float>(up[j]));
+      }
     }
   });
 }
 
-// In place: x [tokens, heads, head_dim] (unit stride within a head), the token's table row picked by positions
-// [tokens] from cos and sin [max_positions, head_dim] whose two halves are equal. First half x1*c - x2*s, second
-// x2*c + x1*s: transformers' x*cos + rotate_half(x)*sin, rounded the same.
-void rotary(torch::Tensor& x, const torch::Tensor& positions, const torch::Tensor& cos, const torch::Tensor& sin) {
+// First half x1*c - x2*s, second x2*c + x1*s, each product and sum rounded to T, with c and s the float32 table's
+// values rounded to T: transformers' x*cos + rotate_half(x)*sin with cos and sin cast to x's dtype.
+template <typename T>
+void rotate_head(T* a, T* b, const float* c, const float* s, int64_t half) {
+  int64_t j = 0;
+  for (; j + LANES <= half; j += LANES) {
+    const vec x1 = load(a + j), x2 = load(b + j);
+    const vec cj = round_to<T>(load(c + j)), sj = round_to<T>(load(s + j));
+    store(a + j, round_to<T>(x1 * cj) - round_to<T>(x2 * sj));
+    store(b + j, round_to<T>(x2 * cj) + round_to<T>(x1 * sj));
+  }
+  for (; j < half; ++j) {
+    const float x1 = static_cast<float>(a[j]), x2 = static_cast<float>(b[j]);
+    const float cj = round_to<T>(c[j]), sj = round_to<T>(s[j]);
+    a[j] = static_cast<T>(round_to<T>(x1 * cj) - round_to<T>(x2 * sj));
+    b[j] = static_cast<T>(round_to<T>(x2 * cj) + round_to<T>(x1 * sj));
+  }
+}
+
+template <typename T>
+void rotary_impl(torch::Tensor& x, const torch::Tensor& positions, const torch::Tensor& cos, const torch::Tensor& sin) {
   const int64_t tokens = x.size(0), heads = x.size(1), half = x.size(2) / 2;
-  float* xp = x.data_ptr<float>();
+  T* xp = x.data_ptr<T>();
   const int64_t* pos = positions.data_ptr<int64_t>();
   const float* cp = cos.data_ptr<float>();
   const float* sp = sin.data_ptr<float>();
-  const int64_t ts = x.stride(0), hs = x.stride(1), table = cos.stride(0), limit = cos.size(0);
-  for (int64_t t = 0; t < tokens; ++t)  // the loop indexes the tables unchecked
-    TORCH_CHECK_INDEX(pos[t] >= 0 && pos[t] < limit, "rotary: position ", pos[t], " is outside the table's ", limit);
+  const int64_t ts = x.stride(0), hs = x.stride(1), table = cos.stride(0);
   at::parallel_for(0, tokens, grain(heads * 2 * half), [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const float* c = cp + pos[t] * table;
-      const float* s = sp + pos[t] * table;
+    for (int64_t t = begin; t < end; ++t)
       for (int64_t h = 0; h < heads; ++h) {
-        float* a = xp + t * ts + h * hs;
-        float* b = a + half;
-        for (int64_t j = 0; j < half; ++j) {
-          const float x1 = a[j], x2 = b[j];
-          a[j] = x1 * c[j] - x2 * s[j];
-          b[j] = x2 * c[j] + x1 * s[j];
-        }
+        T* a = xp + t * ts + h * hs;
+        rotate_head(a, a + half, cp + pos[t] * table, sp + pos[t] * table, half);
       }
-    }
   });
 }
 
+// Runs F<T> for x's dtype: float32, bfloat16, or float16 where the compiler has _Float16.
+template <template <typename> class F, typename... Args>
+void dispatch(const torch::Tensor& x, Args&&... args) {
+  switch (x.scalar_type()) {
+    case at::kFloat: return F<float>::run(std::forward<Args>(args)...);
+    case at::kBFloat16: return F<c10::BFloat16>::run(std::forward<Args>(args)...);
+#if SLUICE_HAS_HALF
+    case at::kHalf: return F<c10::Half>::run(std::forward<Args>(args)...);
+#endif
+    default: TORCH_CHECK(false, "sluice's CPU layers take float32, bfloat16 or float16, not ", x.scalar_type());
+  }
+}
+
+template <typename T>
+struct RmsNorm {
+  static void run(const torch::Tensor& x, const std::optional<torch::Tensor>& residual, const torch::Tensor& weight,
+                  double eps, torch::Tensor& out) {
+    rms_norm_impl<T>(x, residual, weight, static_cast<float>(eps), out);
+  }
+};
+
+template <typename T>
+struct SiluAndMul {
+  static void run(const torch::Tensor& x, torch::Tensor& out) { silu_and_mul_impl<T>(x, out); }
+};
+
+template <typename T>
+struct Rotary {
+  static void run(torch::Tensor& x, const torch::Tensor& positions, const torch::Tensor& cos,
+                  const torch::Tensor& sin) {
+    rotary_impl<T>(x, positions, cos, sin);
+  }
+};
+
+}  // namespace
+
+// x, out [rows, d] with unit column stride, any row stride; weight [d], all of one dtype. residual given: residual
+// += x first (in place), and the norm is of the sum, as a decoder layer adds its sublayer's output to the residual
+// stream.
+void rms_norm(const torch::Tensor& x, const std::optional<torch::Tensor>& residual, const torch::Tensor& weight,
+              double eps, torch::Tensor& out) {
+  dispatch<RmsNorm>(x, x, residual, weight, eps, out);
+}
+
+// x [rows, 2d] (gate | up), out [rows, d], of one dtype.
+void silu_and_mul(const torch::Tensor& x, torch::Tensor& out) { dispatch<SiluAndMul>(x, x, out); }
+
+// In place: x [tokens, heads, head_dim] (unit stride within a head), the token's table row picked by positions
+// [tokens] from the float32 cos and sin [max_positions, head_dim] whose two halves are equal.
+void rotary(torch::Tensor& x, const torch::Tensor& positions, const torch::Tensor& cos, const torch::Tensor& sin) {
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  for (int64_t t = 0, limit = cos.size(0); t < x.size(0); ++t)  // the loops index the tables unchecked
+    TORCH_CHECK_INDEX(pos[t] >= 0 && pos[t] < limit, "rotary: position ", pos[t], " is outside the table's ", limit);
+  dispatch<Rotary>(x, x, positions, cos, sin);
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("rms_norm", &rms_norm, "RMSNorm, with an optional residual add before it, float32, on the CPU");
-  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up, float32, on the CPU");
-  m.def("rotary", &rotary, "neox-style rotary embedding in place, float32, on the CPU");
+  m.def("rms_norm", &rms_norm, "RMSNorm, with an optional residual add before it, on the CPU");
+  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up on the CPU");
+  m.def("rotary", &rotary, "neox-style rotary embedding in place on the CPU");
+  m.attr("half") = static_cast<bool>(SLUICE_HAS_HALF);
 }

@@ -1,4 +1,5 @@
-// Paged decode attention on the CPU, float32, one query token per sequence. K and V are read where they lie in the
+// Paged decode attention on the CPU, one query token per sequence, over a float32, bfloat16 or float16 cache (its
+// query and output of the same dtype; scores, softmax and sums in float32). K and V are read where they lie in the
 // block-paged cache: no gathered copy (index_select of every sequence's blocks, then SDPA reading that copy again,
 // was the engine's costliest op after the GEMMs). Each token's K and V rows of all KV heads are contiguous, so both
 // passes walk the context token by token and the reads stream. Loops over GCC/Clang vectors of 16 floats (split to
@@ -93,8 +94,9 @@ struct Shape {
 };
 
 // What one thread reuses from sequence to sequence.
+template <typename T>
 struct Scratch {
-  std::vector<const float*> rows;  // each context token's K row (all KV heads)
+  std::vector<const T*> rows;      // each context token's K row (all KV heads)
   std::vector<float> scores;       // [heads, context]
   std::vector<float> inv;          // [heads]: 1 / softmax denominator
   std::vector<vec> acc;            // [heads, head_dim / LANES]
@@ -102,9 +104,9 @@ struct Scratch {
 
 // One sequence, all its heads, over the keys [first, ctx): scores (soft-capped if softcap > 0), softmax, then the
 // weighted sum of values.
-template <int D>  // head_dim / LANES
-void attend_one(const float* q, const float* k_cache, const float* v_cache, const int32_t* table, int64_t first,
-                int64_t ctx, const Shape& s, float scale, float softcap, Scratch& w, float* out) {
+template <int D, typename T>  // head_dim / LANES, the element type
+void attend_one(const T* q, const T* k_cache, const T* v_cache, const int32_t* table, int64_t first, int64_t ctx,
+                const Shape& s, float scale, float softcap, Scratch<T>& w, T* out) {
   const int64_t n = ctx - first, heads = s.kv_heads * s.group, token_stride = s.kv_heads * s.head_dim;
   const int64_t block_stride = s.block_size * token_stride;
   for (int64_t t = 0; t < n; ++t) {
@@ -121,7 +123,7 @@ void attend_one(const float* q, const float* k_cache, const float* v_cache, cons
   int pending = 0;
   for (int64_t t = 0; t < n; ++t) {
     for (int64_t h = 0; h < heads; ++h) {
-      const float* k = w.rows[t] + (h / s.group) * s.head_dim;
+      const T* k = w.rows[t] + (h / s.group) * s.head_dim;
       vec dot = qs[h * D] * load(k);
       for (int c = 1; c < D; ++c) dot += qs[h * D + c] * load(k + c * LANES);
       dots[pending] = dot;
@@ -142,30 +144,59 @@ void attend_one(const float* q, const float* k_cache, const float* v_cache, cons
   const int64_t v_offset = v_cache - k_cache;
   for (int64_t t = 0; t < n; ++t) {
     for (int64_t h = 0; h < heads; ++h) {
-      const float* v = w.rows[t] + v_offset + (h / s.group) * s.head_dim;
+      const T* v = w.rows[t] + v_offset + (h / s.group) * s.head_dim;
       const float p = w.scores[h * n + t];
       for (int c = 0; c < D; ++c) acc[h * D + c] += p * load(v + c * LANES);
     }
   }
   for (int64_t h = 0; h < heads; ++h)
-    for (int c = 0; c < D; ++c) {
-      const vec o = acc[h * D + c] * w.inv[h];
-      std::memcpy(out + (h * D + c) * LANES, &o, sizeof o);
-    }
+    for (int c = 0; c < D; ++c) store(out + (h * D + c) * LANES, acc[h * D + c] * w.inv[h]);
 }
 
-using AttendFn = decltype(&attend_one<1>);
+template <typename T>
+using AttendFn = decltype(&attend_one<1, T>);
 
-AttendFn attend_for(int64_t head_dim) {
+template <typename T>
+AttendFn<T> attend_for(int64_t head_dim) {
   switch (head_dim) {
-    case 16: return attend_one<1>;
-    case 32: return attend_one<2>;
-    case 64: return attend_one<4>;
-    case 96: return attend_one<6>;
-    case 128: return attend_one<8>;
-    case 256: return attend_one<16>;
+    case 16: return attend_one<1, T>;
+    case 32: return attend_one<2, T>;
+    case 64: return attend_one<4, T>;
+    case 96: return attend_one<6, T>;
+    case 128: return attend_one<8, T>;
+    case 256: return attend_one<16, T>;
     default: TORCH_CHECK(false, "paged_decode: head_dim ", head_dim, " is not 16, 32, 64, 96, 128 or 256");
   }
+}
+
+template <typename T>
+void paged_decode_impl(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                       const torch::Tensor& block_tables, const torch::Tensor& context_lens, double scale,
+                       int64_t window, double softcap, torch::Tensor& out) {
+  const int64_t seqs = q.size(0), heads = q.size(1);
+  if (seqs == 0) return;
+  const Shape s{k_cache.size(1), k_cache.size(2), k_cache.size(3), heads / k_cache.size(2), block_tables.size(1)};
+  const AttendFn<T> attend = attend_for<T>(s.head_dim);
+  const T* qp = q.data_ptr<T>();
+  const T* kp = k_cache.data_ptr<T>();
+  const T* vp = v_cache.data_ptr<T>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int32_t* ctx = context_lens.data_ptr<int32_t>();
+  T* op = out.data_ptr<T>();
+  const int64_t longest = std::max<int64_t>(1, *std::max_element(ctx, ctx + seqs));
+  // the loops index the table by position unchecked: a context past its columns would read outside it
+  TORCH_CHECK_VALUE(longest <= s.max_blocks * s.block_size, "paged_decode_attention_cpu: a context of ", longest,
+                    " tokens is longer than block_tables' ", s.max_blocks, " blocks of ", s.block_size);
+  at::parallel_for(0, seqs, 1, [&](int64_t begin, int64_t end) {
+    Scratch<T> w{std::vector<const T*>(longest), std::vector<float>(heads * longest), std::vector<float>(heads),
+                 std::vector<vec>(heads * s.head_dim / LANES)};
+    for (int64_t seq = begin; seq < end; ++seq) {
+      const int64_t n = ctx[seq], first = window > 0 ? std::max<int64_t>(0, n - window) : 0;
+      const int64_t offset = seq * heads * s.head_dim;
+      attend(qp + offset, kp, vp, tables + seq * s.max_blocks, first, n, s, static_cast<float>(scale),
+             static_cast<float>(softcap), w, op + offset);
+    }
+  });
 }
 
 }  // namespace
@@ -177,32 +208,22 @@ AttendFn attend_for(int64_t head_dim) {
 void paged_decode(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                   const torch::Tensor& block_tables, const torch::Tensor& context_lens, double scale, int64_t window,
                   double softcap, torch::Tensor& out) {
-  const int64_t seqs = q.size(0), heads = q.size(1);
-  if (seqs == 0) return;
-  const Shape s{k_cache.size(1), k_cache.size(2), k_cache.size(3), heads / k_cache.size(2), block_tables.size(1)};
-  const AttendFn attend = attend_for(s.head_dim);
-  const float* qp = q.data_ptr<float>();
-  const float* kp = k_cache.data_ptr<float>();
-  const float* vp = v_cache.data_ptr<float>();
-  const int32_t* tables = block_tables.data_ptr<int32_t>();
-  const int32_t* ctx = context_lens.data_ptr<int32_t>();
-  float* op = out.data_ptr<float>();
-  const int64_t longest = std::max<int64_t>(1, *std::max_element(ctx, ctx + seqs));
-  // the loops index the table by position unchecked: a context past its columns would read outside it
-  TORCH_CHECK_VALUE(longest <= s.max_blocks * s.block_size, "paged_decode_attention_cpu: a context of ", longest,
-                    " tokens is longer than block_tables' ", s.max_blocks, " blocks of ", s.block_size);
-  at::parallel_for(0, seqs, 1, [&](int64_t begin, int64_t end) {
-    Scratch w{std::vector<const float*>(longest), std::vector<float>(heads * longest), std::vector<float>(heads),
-              std::vector<vec>(heads * s.head_dim / LANES)};
-    for (int64_t seq = begin; seq < end; ++seq) {
-      const int64_t n = ctx[seq], first = window > 0 ? std::max<int64_t>(0, n - window) : 0;
-      const int64_t offset = seq * heads * s.head_dim;
-      attend(qp + offset, kp, vp, tables + seq * s.max_blocks, first, n, s, static_cast<float>(scale),
-             static_cast<float>(softcap), w, op + offset);
-    }
-  });
+  switch (q.scalar_type()) {
+    case at::kFloat:
+      return paged_decode_impl<float>(q, k_cache, v_cache, block_tables, context_lens, scale, window, softcap, out);
+    case at::kBFloat16:
+      return paged_decode_impl<c10::BFloat16>(q, k_cache, v_cache, block_tables, context_lens, scale, window,
+                                              softcap, out);
+#if SLUICE_HAS_HALF
+    case at::kHalf:
+      return paged_decode_impl<c10::Half>(q, k_cache, v_cache, block_tables, context_lens, scale, window, softcap,
+                                          out);
+#endif
+    default: TORCH_CHECK(false, "paged_decode: float32, bfloat16 or float16, not ", q.scalar_type());
+  }
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode", &paged_decode, "paged decode attention, float32, on the CPU");
+  m.def("paged_decode", &paged_decode, "paged decode attention on the CPU");
+  m.attr("half") = static_cast<bool>(SLUICE_HAS_HALF);
 }

@@ -41,6 +41,26 @@ def test_matches_the_reference(dim, heads, kv_heads):
     torch.testing.assert_close(out, want, atol=2e-6, rtol=2e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(8, 2, 64), (4, 4, 128)])
+def test_half_precision_caches_match_the_float32_reference(dtype, heads, kv_heads, dim):
+    """bfloat16/float16 query and cache read in place, float32 inside: within the dtype's rounding of the float32
+    reference over the same (rounded) values, and with a sliding window and soft-capping too."""
+    if dtype not in cpu_attention.dtypes():
+        pytest.skip(f"built without {dtype}")
+    q, k, v, tables, ctx = _paged(torch.Generator().manual_seed(dim + 1), CONTEXTS, heads, kv_heads, dim)
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    out = paged_decode_attention_cpu(q, k, v, tables, ctx, dim ** -0.5)
+    assert out.dtype == dtype
+    want = paged_decode_attention_ref(q.float(), k.float(), v.float(), tables, ctx, dim ** -0.5)
+    eps = torch.finfo(dtype).eps
+    torch.testing.assert_close(out.float(), want, atol=eps, rtol=eps)  # one rounding of the float32 result
+    capped = paged_decode_attention_cpu(q, k, v, tables, ctx, dim ** -0.5, sliding_window=20, softcap=5.0)
+    want = paged_decode_attention_cpu(q.float(), k.float(), v.float(), tables, ctx, dim ** -0.5, sliding_window=20,
+                                      softcap=5.0)
+    torch.testing.assert_close(capped.float(), want, atol=eps, rtol=eps)
+
+
 def test_the_thread_count_does_not_change_a_bit():
     q, k, v, tables, ctx = _paged(torch.Generator().manual_seed(3), CONTEXTS * 3, 8, 2, 64)
     threads = torch.get_num_threads()
@@ -77,7 +97,8 @@ def test_writes_into_a_strided_out():
 
 
 @pytest.mark.parametrize(("change", "message"), [
-    (lambda a: {**a, "q": a["q"].half()}, "float32 CPU tensors"),
+    (lambda a: {**a, "q": a["q"].double()}, "CPU tensors of one dtype"),
+    (lambda a: {**a, "q": a["q"].bfloat16()}, "CPU tensors of one dtype"),  # its cache float32
     (lambda a: {**a, "context_lens": a["context_lens"].long()}, "int32"),
     (lambda a: {**a, "q": a["q"][:, :, :12].contiguous(), "k_cache": a["k_cache"][..., :12].contiguous(),
                 "v_cache": a["v_cache"][..., :12].contiguous()}, "head_dim"),

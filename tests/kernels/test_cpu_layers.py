@@ -1,5 +1,6 @@
 """The C++ CPU element-wise layers (kernels/cpu_layers.py) against transformers' own Llama layers and PyTorch's ops,
-and the engine's layers taking them for float32 on the CPU only."""
+in float32, bfloat16 and float16 (against the float32 references too), and the engine's layers taking them on the
+CPU."""
 
 from __future__ import annotations
 
@@ -68,6 +69,69 @@ def test_rotary_is_bit_for_bit_transformers_for_q_and_k_in_a_fused_qkv():
     assert torch.equal(qkv[:, heads + kv_heads:], v)  # v untouched
 
 
+HALF = [torch.bfloat16, torch.float16]
+
+
+def _half(dtype: torch.dtype) -> None:
+    if dtype not in cpu_layers.dtypes():
+        pytest.skip(f"built without {dtype}")
+
+
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize(("rows", "d"), [(1, 64), (7, 100), (300, 1024)])
+def test_half_precision_rms_norm_matches_transformers_and_the_float32_reference(dtype, rows, d):
+    """Rounded where transformers' bfloat16/float16 LlamaRMSNorm rounds (the normalised row, then its product with
+    the weight): its outputs, but for the sum's order, and the float32 reference's within two roundings."""
+    _half(dtype)
+    gen = torch.Generator().manual_seed(rows + d)
+    x, weight = (torch.randn(rows, d, generator=gen) * 3).to(dtype), (torch.rand(d, generator=gen) + 0.5).to(dtype)
+    residual = torch.randn(rows, d, generator=gen).to(dtype)
+    want_sum = x + residual
+    got, got_sum = cpu_layers.rms_norm(x, weight, 1e-5, residual), residual
+    assert got.dtype == dtype and torch.equal(got_sum, want_sum)  # PyTorch's add in the dtype, rounded once
+    hf = _hf_norm(weight, 1e-5).to(dtype)(want_sum)
+    assert (got == hf).float().mean() >= 0.999
+    eps = torch.finfo(dtype).eps
+    torch.testing.assert_close(got.float(), _hf_norm(weight.float(), 1e-5)(want_sum.float()), rtol=2 * eps, atol=eps)
+
+
+@pytest.mark.parametrize("dtype", HALF)
+def test_half_precision_silu_and_mul_matches_pytorch_and_the_float32_reference(dtype):
+    _half(dtype)
+    gen = torch.Generator().manual_seed(6)
+    x = (torch.randn(45, 2 * 200, generator=gen) * 4).to(dtype)
+    x[0, :6] = torch.tensor([-100.0, -88.5, -20.0, 0.0, 20.0, 100.0], dtype=dtype)
+    gate, up = x.chunk(2, dim=-1)
+    got = cpu_layers.silu_and_mul(x)
+    assert got.dtype == dtype and (got == F.silu(gate) * up).float().mean() >= 0.999
+    eps = torch.finfo(dtype).eps
+    # near zero (silu of -88 and below, float16's subnormals) absolute precision only, as in float32
+    torch.testing.assert_close(got.float(), F.silu(gate.float()) * up.float(), rtol=2 * eps,
+                               atol=max(1e-30, torch.finfo(dtype).smallest_normal))
+
+
+@pytest.mark.parametrize("dtype", HALF)
+def test_half_precision_rotary_is_bit_for_bit_transformers(dtype):
+    """transformers' bfloat16 rotary (cos and sin cast to the dtype, each product and sum rounded) exactly, and the
+    float32 reference within a few roundings."""
+    _half(dtype)
+    heads, dim, tokens = 6, 64, 29
+    config = LlamaConfig(hidden_size=heads * dim, num_attention_heads=heads, num_key_value_heads=heads,
+                         max_position_embeddings=256, architectures=["LlamaForCausalLM"])
+    rope = layers.RotaryEmbedding(ModelConfig.from_dict(config.to_dict()), 256)
+    gen = torch.Generator().manual_seed(7)
+    positions = torch.randperm(256, generator=gen)[:tokens]
+    x = torch.randn(tokens, heads, dim, generator=gen).to(dtype)
+    got = cpu_layers.rotary_(x.clone(), positions, rope.cos, rope.sin)
+    cos, sin = rope.cos[positions].to(dtype), rope.sin[positions].to(dtype)
+    want, _ = apply_rotary_pos_emb(x.transpose(0, 1)[None], x.transpose(0, 1)[None], cos[None], sin[None])
+    assert torch.equal(got, want[0].transpose(0, 1))
+    exact, _ = apply_rotary_pos_emb(x.float().transpose(0, 1)[None], x.float().transpose(0, 1)[None],
+                                    rope.cos[positions][None], rope.sin[positions][None])
+    eps = torch.finfo(dtype).eps
+    torch.testing.assert_close(got.float(), exact[0].transpose(0, 1), rtol=4 * eps, atol=4 * eps)
+
+
 def test_the_thread_count_does_not_change_a_bit():
     gen = torch.Generator().manual_seed(4)
     x, residual, weight = (torch.randn(1000, 256, generator=gen) for _ in range(3))
@@ -86,6 +150,7 @@ def test_the_thread_count_does_not_change_a_bit():
 
 @pytest.mark.parametrize(("call", "message"), [
     (lambda: cpu_layers.rms_norm(torch.randn(4, 8, dtype=torch.float64), torch.ones(8), 1e-5), "float32"),
+    (lambda: cpu_layers.rms_norm(torch.randn(4, 8).bfloat16(), torch.ones(8), 1e-5), "that of x"),
     (lambda: cpu_layers.rms_norm(torch.randn(4, 8), torch.ones(9), 1e-5), "weight"),
     (lambda: cpu_layers.rms_norm(torch.randn(4, 8), torch.ones(8), 1e-5, torch.zeros(3, 8)), "residual"),
     (lambda: cpu_layers.rms_norm(torch.randn(8, 4).t(), torch.ones(8), 1e-5), "unit column stride"),
@@ -103,9 +168,9 @@ def test_rotary_refuses_a_position_outside_its_table():
         cpu_layers.rotary_(torch.randn(2, 1, 8), torch.tensor([0, 4]), torch.ones(4, 8), torch.ones(4, 8))
 
 
-def test_the_engine_layers_take_the_kernels_for_float32_on_the_cpu_only(monkeypatch):
+def test_the_engine_layers_take_the_kernels_on_the_cpu(monkeypatch):
     """RMSNorm with and without the residual, and SiLU-and-mul, agree between the kernel and the PyTorch forms; the
-    kernels are not called for bfloat16."""
+    kernels take bfloat16 too, and never float64."""
     gen = torch.Generator().manual_seed(5)
     norm = layers.RMSNorm(128, 1e-5)
     norm.weight.data.copy_(torch.rand(128, generator=gen))
@@ -118,7 +183,27 @@ def test_the_engine_layers_take_the_kernels_for_float32_on_the_cpu_only(monkeypa
         torch.testing.assert_close(a, b, rtol=2e-6, atol=1e-6)
     assert calls  # the PyTorch forms ran because the kernels were not there
     monkeypatch.undo()
-    assert cpu_layers.takes(x.device, x.dtype) and not cpu_layers.takes(x.device, torch.bfloat16)
+    assert cpu_layers.takes(x.device, x.dtype) and cpu_layers.takes(x.device, torch.bfloat16)
+    assert not cpu_layers.takes(x.device, torch.float64)
+
+
+def test_gemmas_norm_takes_the_kernel_in_float32_only(monkeypatch):
+    """Gemma's norm multiplies by (1 + w) before rounding, the kernel after: in bfloat16 it keeps its PyTorch form,
+    which is transformers' Gemma2RMSNorm exactly."""
+    from transformers.models.gemma2.modeling_gemma2 import Gemma2RMSNorm
+
+    from sluice.worker.engine.models.gemma import GemmaRMSNorm
+
+    gen = torch.Generator().manual_seed(8)
+    ours, theirs = GemmaRMSNorm(96, 1e-6), Gemma2RMSNorm(96, 1e-6)
+    ours.weight.data.copy_(torch.randn(96, generator=gen))
+    theirs.weight.data.copy_(ours.weight.data)
+    x = torch.randn(5, 96, generator=gen)
+    torch.testing.assert_close(ours(x), theirs(x), rtol=2e-6, atol=1e-6)  # float32: the kernel
+    ours, theirs, x = ours.bfloat16(), theirs.bfloat16(), x.bfloat16()
+    calls = []
+    monkeypatch.setattr(cpu_layers, "rms_norm", lambda *a: calls.append(a))
+    assert torch.equal(ours(x), theirs(x)) and not calls
 
 
 def test_a_failed_build_is_logged_and_gives_none(monkeypatch, caplog, tmp_path):

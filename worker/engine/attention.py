@@ -98,9 +98,9 @@ class StepPlan:
 
 
 class TorchAttention:
-    """Reference backend in plain PyTorch, for CPU and CUDA: gathers each sequence's blocks, then SDPA. Float32
-    decode rows on the CPU go to the C++ kernel that reads the blocks in place (kernels/cpu_attention.py), unless
-    `cpu_decode_kernel` is False or it cannot be built."""
+    """Reference backend in plain PyTorch, for CPU and CUDA: gathers each sequence's blocks, then SDPA. Decode rows
+    on the CPU (float32, bfloat16, float16 caches) go to the C++ kernel that reads the blocks in place
+    (kernels/cpu_attention.py), unless `cpu_decode_kernel` is False or it cannot be built."""
 
     def __init__(self, cpu_decode_kernel: bool = True):
         self.cpu_decode_kernel = cpu_decode_kernel
@@ -109,7 +109,7 @@ class TorchAttention:
     def prepare(self, device: torch.device, dtype: torch.dtype) -> None:
         """Build the C++ kernel now if this engine will use it (a compile the first time on a machine, then cached),
         rather than inside the first decode step."""
-        if self.cpu_decode_kernel and device.type == "cpu" and dtype == torch.float32:
+        if self.cpu_decode_kernel and device.type == "cpu":
             cpu_attention.available()
 
     def store(self, k: torch.Tensor, v: torch.Tensor, cache: LayerCache, meta: AttentionMetadata) -> None:

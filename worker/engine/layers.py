@@ -1,8 +1,8 @@
 """Small model layers: RMSNorm, rotary embeddings (default, linear, Llama 3, LongRoPE; whole or partial heads),
 SiLU-gated MLP activation.
 
-Float32 on the CPU they run as C++ kernels (kernels/cpu_layers.py), one pass each; the PyTorch forms here serve
-every other device and dtype, and are the kernels' references."""
+On the CPU (float32, bfloat16, float16) they run as C++ kernels (kernels/cpu_layers.py), one pass each, rounding as
+the PyTorch forms here do; those serve every other device and dtype, and are the kernels' references."""
 
 from __future__ import annotations
 
@@ -18,6 +18,8 @@ from sluice.worker.engine.config import ModelConfig, ModelError
 
 
 class RMSNorm(nn.Module):
+    rounds_before_gain = True  # the normalised row is cast to x's dtype before the weight multiplies it, as the kernel
+
     def __init__(self, size: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
@@ -26,7 +28,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """norm(x); with `residual`, (norm(x + residual), x + residual): a decoder layer adds each sublayer's output
         to the residual stream and normalises the sum (the C++ kernel writes the sum into `residual` in place)."""
-        if cpu_layers.takes(x.device, x.dtype):
+        if cpu_layers.takes(x.device, x.dtype) and (self.rounds_before_gain or x.dtype == torch.float32):
             out = cpu_layers.rms_norm(x, self.gain(), self.eps, residual)
             return out if residual is None else (out, residual)
         if residual is None:

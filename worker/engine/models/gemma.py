@@ -19,7 +19,10 @@ GEMMA3 = "Gemma3ForCausalLM"
 
 
 class GemmaRMSNorm(RMSNorm):
-    """x / rms(x) * (1 + w): the product in float32, cast back after it (Llama's casts before)."""
+    """x / rms(x) * (1 + w): the product in float32, cast back after it (Llama's casts before, as the C++ kernel
+    does: it takes this norm in float32 only)."""
+
+    rounds_before_gain = False
 
     def __init__(self, size: int, eps: float):
         super().__init__(size, eps)
@@ -31,7 +34,7 @@ class GemmaRMSNorm(RMSNorm):
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (h * self.gain().float()).to(x.dtype)
+        return (h * (1.0 + self.weight.float())).to(x.dtype)  # 1 + w in float32 too, as transformers
 
 
 class GemmaEmbedding(nn.Embedding):
