@@ -102,7 +102,7 @@ class Runner:
             import vllm
 
             info["version"] = vllm.__version__
-        for name in ("OMP_NUM_THREADS", "VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_NUM_OF_RESERVED_CPU",
+        for name in ("OMP_NUM_THREADS", "GOMP_SPINCOUNT", "VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_NUM_OF_RESERVED_CPU",
                      "VLLM_CPU_KVCACHE_SPACE", "LD_PRELOAD"):
             if os.environ.get(name):
                 info[name] = os.environ[name]

@@ -6,10 +6,23 @@ on first use, so `import sluice` and the client never import torch (an API host 
 
 from __future__ import annotations
 
+import os
+import sys
 from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
+
+# A CPU engine's OpenMP threads that finish their share of a parallel region spin before they sleep: libgomp's
+# default of 300,000 spins holds the CPU that a descheduled sibling needs to finish the region, so on a host whose
+# cores other processes also use (the worker's Python, Postgres, clients) every region waits out a time slice. With
+# two busy processes beside it on 2 cores the bench workload ran 4.7x slower than quiet at the default and 2.6x at
+# 10,000 spins, which cost nothing quiet; at 100 quiet runs lost 15% (bench/NOTES.md). libgomp reads it once, when
+# torch loads it: set here, before sluice imports torch; an explicit setting wins.
+OPENMP_SPIN_DEFAULT = "10000"
+OPENMP_SPIN = os.environ.get("GOMP_SPINCOUNT") or (OPENMP_SPIN_DEFAULT if "torch" not in sys.modules else None)
+if OPENMP_SPIN == OPENMP_SPIN_DEFAULT:
+    os.environ.setdefault("GOMP_SPINCOUNT", OPENMP_SPIN_DEFAULT)
 
 _LAZY = {
     "LLM": "sluice.worker.engine",

@@ -8,6 +8,7 @@ from functools import cached_property
 
 import torch
 
+import sluice
 from sluice.kernels import cpu_layers
 from sluice.worker.engine.attention import AttentionMetadata, LayerCache, TorchAttention
 from sluice.worker.engine.config import CPU_DEFAULT_KV_CACHE_MEMORY, EngineConfig, ModelConfig
@@ -55,6 +56,10 @@ class ModelRunner:
             # both builds and steps it
             torch.cuda.set_device(self.device)
         self.dtype = config.torch_dtype(model_config)
+        if self.device.type == "cpu" and sluice.OPENMP_SPIN is None:
+            log.warning("torch was imported before sluice, so OpenMP kept its default spin (GOMP_SPINCOUNT=300000): "
+                        "on a host whose other processes also use these CPUs the engine may run several times "
+                        "slower; import sluice first or set GOMP_SPINCOUNT=%s", sluice.OPENMP_SPIN_DEFAULT)
         self.block_size = config.block_size
         self.max_model_len = max_model_len
         self.kv_int8 = config.kv_cache_dtype == "int8"
