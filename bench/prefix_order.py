@@ -19,14 +19,11 @@ import subprocess
 import sys
 import tempfile
 import time
-import uuid
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import bench_model  # noqa: E402
+from common import BROKER_URL, bench_model, scratch_database  # noqa: E402
 
-ADMIN_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
-BROKER_URL = "redis://127.0.0.1:6379/15"
 WORDS = "the of river bank market price report quarter growth north south energy plant water policy city".split()
 
 
@@ -62,24 +59,19 @@ def through_run(model: Path, lines: list[dict], ordered: bool) -> dict:
 
 
 def through_service(model: Path, lines: list[dict], ordered: bool) -> dict:
-    import redis
-    from sqlalchemy import create_engine, text
+    with scratch_database() as url:
+        return _through_service(url, model, lines, ordered)
 
+
+def _through_service(url: str, model: Path, lines: list[dict], ordered: bool) -> dict:
     from sluice.api import db, store
     from sluice.api.dispatch import dispatch
     from sluice.api.queue import make_app
 
-    admin = create_engine(ADMIN_URL, isolation_level="AUTOCOMMIT")
-    name = f"sluice_bench_{uuid.uuid4().hex[:8]}"
-    with admin.connect() as c:
-        c.execute(text(f'CREATE DATABASE "{name}"'))
-    url = admin.url.set(database=name).render_as_string(hide_password=False)
-    redis.Redis.from_url(BROKER_URL).flushdb()
     env = {**os.environ, "SLUICE_DATABASE_URL": url, "SLUICE_BROKER_URL": BROKER_URL}
     workers = []
     engine = db.make_engine(url)
     try:
-        db.upgrade(engine)
         sessions = db.session_factory(engine)
         workers = [subprocess.Popen([sys.executable, "-m", "sluice", "worker", "--model", str(model),
                                      "--served-model-name", "bench", "--loglevel", "WARNING", "--max-num-seqs", "32",
@@ -113,10 +105,6 @@ def through_service(model: Path, lines: list[dict], ordered: bool) -> dict:
         for w in workers:
             w.wait(timeout=60)
         engine.dispose()
-        with admin.connect() as c:
-            c.execute(text(f'DROP DATABASE "{name}" WITH (FORCE)'))
-        admin.dispose()
-        redis.Redis.from_url(BROKER_URL).flushdb()
 
 
 def report(where: str, file_order: dict, grouped: dict) -> None:

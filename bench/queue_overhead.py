@@ -19,11 +19,10 @@ import queue
 import subprocess
 import sys
 import time
-import uuid
 from pathlib import Path
 
 import redis
-from sqlalchemy import create_engine, func, select, text
+from sqlalchemy import func, select, text
 
 from sluice.api import db, store, tables
 from sluice.api.queue import chunk_size, make_app, publish_chunks
@@ -32,8 +31,7 @@ from sluice.worker.cpus import pin_threads, split_cpus
 # torch and the engine are imported only where used: the spawned producers re-import this module, and a client has
 # no torch (its objects in every producer's heap made each garbage collection walk them: +0.1 s per 1250-line batch)
 
-ADMIN_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
-BROKER_URL = "redis://127.0.0.1:6379/15"
+BROKER_URL = "redis://127.0.0.1:6379/15"  # common.py's: common imports torch, which the producers must not
 WARM_UP_LINES = 8
 # A process on the worker's CPUs building Python objects, as the worker does: on 2 vCPUs that share a physical core
 # or its memory system, the engine's steps run slower beside it however little else the service does
@@ -267,22 +265,10 @@ def engine_line(name: str, e: dict) -> str:
 def service(model: str, requests: list[dict], producers: int, batch_lines: int, pin_producers: bool,
             nice: int | None, concurrency: int | None) -> dict:
     """One run through the service, on a database of its own (created, migrated, dropped) and a flushed Redis db."""
-    admin = create_engine(ADMIN_URL, isolation_level="AUTOCOMMIT")
-    name = f"sluice_bench_{uuid.uuid4().hex[:8]}"
-    with admin.connect() as c:
-        c.execute(text(f'CREATE DATABASE "{name}"'))
-    url = admin.url.set(database=name).render_as_string(hide_password=False)
-    redis.Redis.from_url(BROKER_URL).flushdb()
-    try:
-        migrated = db.make_engine(url)
-        db.upgrade(migrated)
-        migrated.dispose()
+    from common import scratch_database
+
+    with scratch_database() as url:
         return through_the_queue(url, model, requests, producers, batch_lines, pin_producers, nice, concurrency)
-    finally:
-        with admin.connect() as c:
-            c.execute(text(f'DROP DATABASE "{name}" WITH (FORCE)'))
-        admin.dispose()
-        redis.Redis.from_url(BROKER_URL).flushdb()
 
 
 def main() -> None:
