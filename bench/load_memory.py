@@ -27,8 +27,8 @@ from sluice.worker.engine.demo import demo_model_dir  # noqa: E402
 CONFIGS = {"float32": {}, "int8": {"quantization": "int8"}, "int4 g128": {"quantization": "int4"}}
 MEASURE = """
 import gc, json, sys, time
-import torch
 from sluice.worker.engine import LLM
+import torch
 
 def status(field):
     with open("/proc/self/status") as f:

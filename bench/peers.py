@@ -40,6 +40,9 @@ import threading
 import time
 from pathlib import Path
 
+# as this process was started: the bench side imports sluice, which sets its own default, and the engines' processes
+# get the environment the user gave (sluice's sets its default again; vLLM's keeps what its OpenMP does by default)
+GIVEN_GOMP_SPINCOUNT = os.environ.get("GOMP_SPINCOUNT")
 MARK = "@@peers "  # worker -> bench lines on stdout start with this; anything else is the engine's own output
 ENGINES = ("sluice", "vllm")
 DTYPES = ("float32", "bfloat16")
@@ -273,7 +276,9 @@ def code_state(tree: Path) -> str:
 
 
 def engine_env(engine: str, vllm_prefix: Path | None, kv_space_gib: int, shim: Path | None = None) -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_")}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_") and k != "GOMP_SPINCOUNT"}
+    if GIVEN_GOMP_SPINCOUNT is not None:
+        env["GOMP_SPINCOUNT"] = GIVEN_GOMP_SPINCOUNT
     env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONUNBUFFERED="1")
     if engine == "sluice" and shim:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(shim), env.get("PYTHONPATH", "")]))

@@ -10,10 +10,12 @@ import sys
 import tempfile
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+# common first: it imports sluice, which sets OpenMP's spin before torch loads
+# isort: off
 from common import bench_model  # noqa: E402
+import torch  # noqa: E402
+# isort: on
 
 from sluice.worker.engine import LLM  # noqa: E402
 from sluice.worker.engine.demo import _corpus, build_checkpoint  # noqa: E402

@@ -14,10 +14,12 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+# common first: it imports sluice, which sets OpenMP's spin before torch loads
+# isort: off
 from common import bench_model, workload  # noqa: E402
+import torch  # noqa: E402
+# isort: on
 
 from sluice.worker.engine import LLM, SamplingParams  # noqa: E402
 from sluice.worker.engine.config import CPU_GEMMS  # noqa: E402

@@ -32,12 +32,19 @@ def test_the_spin_is_set_before_torch_loads_openmp(first, env, want):
     assert _probe(first, **env) == want
 
 
-def test_a_cpu_engine_warns_when_openmp_kept_its_default_spin(llama_dir, monkeypatch, caplog):
+def test_a_cpu_engine_warns_once_when_openmp_kept_its_default_spin(llama_dir, monkeypatch, caplog):
+    from sluice.worker.engine import model_runner
+
+    model_runner._warn_default_spin.cache_clear()
     monkeypatch.setattr(sluice, "OPENMP_SPIN", None)
     with caplog.at_level(logging.WARNING):
         LLM(str(llama_dir))
     assert "GOMP_SPINCOUNT=10000" in caplog.text and "torch was imported before sluice" in caplog.text
     caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        LLM(str(llama_dir))
+    assert "GOMP_SPINCOUNT" not in caplog.text  # said once a process
+    model_runner._warn_default_spin.cache_clear()
     monkeypatch.setattr(sluice, "OPENMP_SPIN", "10000")
     with caplog.at_level(logging.WARNING):
         LLM(str(llama_dir))

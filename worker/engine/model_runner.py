@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cache, cached_property
 
 import torch
 
@@ -33,6 +33,13 @@ from sluice.worker.engine.sequence import Sequence
 log = logging.getLogger(__name__)
 
 
+@cache  # once a process, not once an engine
+def _warn_default_spin() -> None:
+    log.warning("torch was imported before sluice, so OpenMP kept its default spin (GOMP_SPINCOUNT=300000): on a host "
+                "whose other processes also use these CPUs the engine may run several times slower; import sluice "
+                "first or set GOMP_SPINCOUNT=%s", sluice.OPENMP_SPIN_DEFAULT)
+
+
 @dataclass
 class PreparedBatch:
     """One step's flat batch: every scheduled token of every sequence, decode rows first, no padding."""
@@ -57,9 +64,7 @@ class ModelRunner:
             torch.cuda.set_device(self.device)
         self.dtype = config.torch_dtype(model_config)
         if self.device.type == "cpu" and sluice.OPENMP_SPIN is None:
-            log.warning("torch was imported before sluice, so OpenMP kept its default spin (GOMP_SPINCOUNT=300000): "
-                        "on a host whose other processes also use these CPUs the engine may run several times "
-                        "slower; import sluice first or set GOMP_SPINCOUNT=%s", sluice.OPENMP_SPIN_DEFAULT)
+            _warn_default_spin()
         self.block_size = config.block_size
         self.max_model_len = max_model_len
         self.kv_int8 = config.kv_cache_dtype == "int8"
