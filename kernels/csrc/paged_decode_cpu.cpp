@@ -121,17 +121,21 @@ void attend_one(const T* q, const T* k_cache, const T* v_cache, const int32_t* t
   float sums[LANES];
   int64_t where[LANES];
   int pending = 0;
+  vec kv[D];  // one KV head's row, loaded (and widened) once for its whole group of query heads
   for (int64_t t = 0; t < n; ++t) {
-    for (int64_t h = 0; h < heads; ++h) {
-      const T* k = w.rows[t] + (h / s.group) * s.head_dim;
-      vec dot = qs[h * D] * load(k);
-      for (int c = 1; c < D; ++c) dot += qs[h * D + c] * load(k + c * LANES);
-      dots[pending] = dot;
-      where[pending++] = h * n + t;
-      if (pending == LANES) {
-        reduce16(dots, sums);
-        for (int i = 0; i < LANES; ++i) w.scores[where[i]] = sums[i];
-        pending = 0;
+    for (int64_t g = 0; g < s.kv_heads; ++g) {
+      const T* k = w.rows[t] + g * s.head_dim;
+      for (int c = 0; c < D; ++c) kv[c] = load(k + c * LANES);
+      for (int64_t h = g * s.group; h < (g + 1) * s.group; ++h) {
+        vec dot = qs[h * D] * kv[0];
+        for (int c = 1; c < D; ++c) dot += qs[h * D + c] * kv[c];
+        dots[pending] = dot;
+        where[pending++] = h * n + t;
+        if (pending == LANES) {
+          reduce16(dots, sums);
+          for (int i = 0; i < LANES; ++i) w.scores[where[i]] = sums[i];
+          pending = 0;
+        }
       }
     }
   }
@@ -143,10 +147,13 @@ void attend_one(const T* q, const T* k_cache, const T* v_cache, const int32_t* t
   std::fill(acc, acc + heads * D, vec{});
   const int64_t v_offset = v_cache - k_cache;
   for (int64_t t = 0; t < n; ++t) {
-    for (int64_t h = 0; h < heads; ++h) {
-      const T* v = w.rows[t] + v_offset + (h / s.group) * s.head_dim;
-      const float p = w.scores[h * n + t];
-      for (int c = 0; c < D; ++c) acc[h * D + c] += p * load(v + c * LANES);
+    for (int64_t g = 0; g < s.kv_heads; ++g) {
+      const T* v = w.rows[t] + v_offset + g * s.head_dim;
+      for (int c = 0; c < D; ++c) kv[c] = load(v + c * LANES);
+      for (int64_t h = g * s.group; h < (g + 1) * s.group; ++h) {
+        const float p = w.scores[h * n + t];
+        for (int c = 0; c < D; ++c) acc[h * D + c] += p * kv[c];
+      }
     }
   }
   for (int64_t h = 0; h < heads; ++h)
