@@ -5,6 +5,7 @@ unknown adapter is refused at batch creation; a bad adapter stops the worker bef
 from __future__ import annotations
 
 import json
+import time
 
 import openai
 import pytest
@@ -21,7 +22,12 @@ MODEL = "tiny"  # the cluster's workers' served name
 
 def run_mixed(client: openai.OpenAI, llama_dir, lora_dir) -> None:
     """/v1/models, the mixed batch, and an unknown adapter's batch refused."""
-    models = {m.id: m.model_dump() for m in client.models.list()}
+    deadline = time.monotonic() + 60
+    while True:  # until the worker is live: before, /v1/models lists the names it accepts, without their paths
+        models = {m.id: m.model_dump() for m in client.models.list()}
+        if models.get("a", {}).get("root") or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
     assert set(models) == {MODEL, "a", "b"} and models[MODEL]["parent"] is None
     assert (models["a"]["parent"], models["a"]["root"]) == (MODEL, str(lora_dir / "a"))
     lines = mixed_lines(MODEL)
