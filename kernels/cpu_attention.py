@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from sluice.kernels import cpu_build
 from sluice.kernels.checks import check_decode_inputs
 from sluice.kernels.cpu_build import build
 
@@ -17,11 +18,7 @@ def _extension():
 
 
 def dtypes() -> tuple[torch.dtype, ...]:
-    """The dtypes the built kernel takes: float16 only where the compiler had _Float16."""
-    ext = _extension()
-    if ext is None:
-        return ()
-    return (torch.float32, torch.bfloat16) + ((torch.float16,) if ext.half else ())
+    return cpu_build.dtypes(_extension())
 
 
 def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:

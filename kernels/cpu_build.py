@@ -128,3 +128,13 @@ def build(source: str, extra_flags: tuple[str, ...] = ()) -> ModuleType | None:
     except Exception as e:  # a C++ toolchain is optional: the callers fall back to PyTorch ops
         log.warning("the C++ CPU kernels of %s could not be built (%s); using PyTorch ops instead", source, e)
         return None
+
+
+def dtypes(module: ModuleType | None) -> tuple:
+    """The torch dtypes a built kernel module takes (csrc/dispatch.h): none where it could not be built; float16
+    only where the compiler had _Float16."""
+    import torch
+
+    if module is None:
+        return ()
+    return (torch.float32, torch.bfloat16) + ((torch.float16,) if module.half else ())

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from sluice.kernels import cpu_build
 from sluice.kernels.cpu_build import build
 
 
@@ -20,11 +21,7 @@ def available() -> bool:
 
 
 def dtypes() -> tuple[torch.dtype, ...]:
-    """The dtypes the built kernels take: float16 only where the compiler had _Float16."""
-    ext = _extension()
-    if ext is None:
-        return ()
-    return (torch.float32, torch.bfloat16) + ((torch.float16,) if ext.half else ())
+    return cpu_build.dtypes(_extension())
 
 
 def takes(device: torch.device, dtype: torch.dtype) -> bool:

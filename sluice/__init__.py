@@ -20,9 +20,9 @@ __version__ = "0.1.0"
 # 10,000 spins, which cost nothing quiet; at 100 quiet runs lost 15% (bench/NOTES.md). libgomp reads it once, when
 # torch loads it: set here, before sluice imports torch; an explicit setting wins.
 OPENMP_SPIN_DEFAULT = "10000"
-OPENMP_SPIN = os.environ.get("GOMP_SPINCOUNT") or (OPENMP_SPIN_DEFAULT if "torch" not in sys.modules else None)
-if OPENMP_SPIN == OPENMP_SPIN_DEFAULT:
-    os.environ.setdefault("GOMP_SPINCOUNT", OPENMP_SPIN_DEFAULT)
+if "GOMP_SPINCOUNT" not in os.environ and "torch" not in sys.modules:
+    os.environ["GOMP_SPINCOUNT"] = OPENMP_SPIN_DEFAULT
+OPENMP_SPIN = os.environ.get("GOMP_SPINCOUNT")  # None: torch loaded libgomp, with its default, before sluice
 
 _LAZY = {
     "LLM": "sluice.worker.engine",

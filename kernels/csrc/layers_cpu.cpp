@@ -9,6 +9,7 @@
 
 #include <ATen/Parallel.h>
 
+#include "dispatch.h"
 #include "vec_math.h"
 
 #include <algorithm>
@@ -134,40 +135,6 @@ void rotary_impl(torch::Tensor& x, const torch::Tensor& positions, const torch::
   });
 }
 
-// Runs F<T> for x's dtype: float32, bfloat16, or float16 where the compiler has _Float16.
-template <template <typename> class F, typename... Args>
-void dispatch(const torch::Tensor& x, Args&&... args) {
-  switch (x.scalar_type()) {
-    case at::kFloat: return F<float>::run(std::forward<Args>(args)...);
-    case at::kBFloat16: return F<c10::BFloat16>::run(std::forward<Args>(args)...);
-#if SLUICE_HAS_HALF
-    case at::kHalf: return F<c10::Half>::run(std::forward<Args>(args)...);
-#endif
-    default: TORCH_CHECK(false, "sluice's CPU layers take float32, bfloat16 or float16, not ", x.scalar_type());
-  }
-}
-
-template <typename T>
-struct RmsNorm {
-  static void run(const torch::Tensor& x, const std::optional<torch::Tensor>& residual, const torch::Tensor& weight,
-                  double eps, torch::Tensor& out) {
-    rms_norm_impl<T>(x, residual, weight, static_cast<float>(eps), out);
-  }
-};
-
-template <typename T>
-struct SiluAndMul {
-  static void run(const torch::Tensor& x, torch::Tensor& out) { silu_and_mul_impl<T>(x, out); }
-};
-
-template <typename T>
-struct Rotary {
-  static void run(torch::Tensor& x, const torch::Tensor& positions, const torch::Tensor& cos,
-                  const torch::Tensor& sin) {
-    rotary_impl<T>(x, positions, cos, sin);
-  }
-};
-
 }  // namespace
 
 // x, out [rows, d] with unit column stride, any row stride; weight [d], all of one dtype. residual given: residual
@@ -175,11 +142,15 @@ struct Rotary {
 // stream.
 void rms_norm(const torch::Tensor& x, const std::optional<torch::Tensor>& residual, const torch::Tensor& weight,
               double eps, torch::Tensor& out) {
-  dispatch<RmsNorm>(x, x, residual, weight, eps, out);
+  dispatch(x.scalar_type(), "rms_norm", [&](auto t) {
+    rms_norm_impl<decltype(t)>(x, residual, weight, static_cast<float>(eps), out);
+  });
 }
 
 // x [rows, 2d] (gate | up), out [rows, d], of one dtype.
-void silu_and_mul(const torch::Tensor& x, torch::Tensor& out) { dispatch<SiluAndMul>(x, x, out); }
+void silu_and_mul(const torch::Tensor& x, torch::Tensor& out) {
+  dispatch(x.scalar_type(), "silu_and_mul", [&](auto t) { silu_and_mul_impl<decltype(t)>(x, out); });
+}
 
 // In place: x [tokens, heads, head_dim] (unit stride within a head), the token's table row picked by positions
 // [tokens] from the float32 cos and sin [max_positions, head_dim] whose two halves are equal.
@@ -187,7 +158,7 @@ void rotary(torch::Tensor& x, const torch::Tensor& positions, const torch::Tenso
   const int64_t* pos = positions.data_ptr<int64_t>();
   for (int64_t t = 0, limit = cos.size(0); t < x.size(0); ++t)  // the loops index the tables unchecked
     TORCH_CHECK_INDEX(pos[t] >= 0 && pos[t] < limit, "rotary: position ", pos[t], " is outside the table's ", limit);
-  dispatch<Rotary>(x, x, positions, cos, sin);
+  dispatch(x.scalar_type(), "rotary", [&](auto t) { rotary_impl<decltype(t)>(x, positions, cos, sin); });
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

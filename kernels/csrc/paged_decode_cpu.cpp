@@ -8,6 +8,7 @@
 
 #include <ATen/Parallel.h>
 
+#include "dispatch.h"
 #include "vec_math.h"
 
 #include <algorithm>
@@ -215,19 +216,9 @@ void paged_decode_impl(const torch::Tensor& q, const torch::Tensor& k_cache, con
 void paged_decode(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                   const torch::Tensor& block_tables, const torch::Tensor& context_lens, double scale, int64_t window,
                   double softcap, torch::Tensor& out) {
-  switch (q.scalar_type()) {
-    case at::kFloat:
-      return paged_decode_impl<float>(q, k_cache, v_cache, block_tables, context_lens, scale, window, softcap, out);
-    case at::kBFloat16:
-      return paged_decode_impl<c10::BFloat16>(q, k_cache, v_cache, block_tables, context_lens, scale, window,
-                                              softcap, out);
-#if SLUICE_HAS_HALF
-    case at::kHalf:
-      return paged_decode_impl<c10::Half>(q, k_cache, v_cache, block_tables, context_lens, scale, window, softcap,
-                                          out);
-#endif
-    default: TORCH_CHECK(false, "paged_decode: float32, bfloat16 or float16, not ", q.scalar_type());
-  }
+  dispatch(q.scalar_type(), "paged_decode", [&](auto t) {
+    paged_decode_impl<decltype(t)>(q, k_cache, v_cache, block_tables, context_lens, scale, window, softcap, out);
+  });
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

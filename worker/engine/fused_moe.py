@@ -143,38 +143,36 @@ class FusedExperts(nn.Module):
     @torch.no_grad()
     def quantize(self, mode: str, group_size: int, backend: str) -> None:
         """Replace w13 and w2 by INT8 (per output channel) or INT4 (per group along the input) forms, expert by
-        expert: only one expert's float32 copy exists at a time."""
+        expert into quantize_on_load's buffers: one expert's quantized temporaries exist at a time."""
         if self.mode is not None:
             return
-        for name in ("w13", "w2"):
-            w = self.stacked(name).data
-            _check_group_size(name, w.shape[-1], mode, group_size)
-            parts = [quantize_int8(w[e]) if mode == "int8" else quantize_int4(w[e], group_size)
-                     for e in range(w.shape[0])]
-            delattr(self, name)
-            suffixes = ("qweight", "scale") if mode == "int8" else ("qweight", "scales", "zeros")
-            for suffix, tensors in zip(suffixes, zip(*parts)):
-                self.register_buffer(f"{name}_{suffix}", torch.stack(tensors))
-        self.mode, self.group_size, self.backend = mode, group_size, backend
+        floats = {name: self.stacked(name).data for name in ("w13", "w2")}
+        self.quantize_on_load(mode, group_size, backend, self.w13.device)
+        for name, w in floats.items():
+            n = w.shape[1]
+            for e in range(w.shape[0]):
+                parts = quantize_int8(w[e]) if mode == "int8" else quantize_int4(w[e], group_size)
+                self.load_rows(name, slice(e * n, (e + 1) * n), parts)
 
     def quantize_on_load(self, mode: str, group_size: int, backend: str, device: torch.device) -> None:
-        """Empty INT8/INT4 buffers (quantize's) in place of w13 and w2, still on the meta device (loader.py):
+        """Empty INT8/INT4 buffers on `device` in place of w13 and w2 (which the loader leaves on the meta device):
         load_rows then fills them tensor by tensor, so the float experts never exist in full."""
         for name in ("w13", "w2"):
-            w = getattr(self, name)
+            dtype = getattr(self, name).dtype
             e, n, k = self.stacked(name).shape
             _check_group_size(name, k, mode, group_size)
-            shapes = ({"qweight": ((e, n, k), torch.int8), "scale": ((e, n), w.dtype)} if mode == "int8" else
-                      {"qweight": ((e, n, k // 2), torch.uint8), "scales": ((e, n, k // group_size), w.dtype),
-                       "zeros": ((e, n, k // group_size), w.dtype)})
+            shapes = ({"qweight": ((e, n, k), torch.int8), "scale": ((e, n), dtype)} if mode == "int8" else
+                      {"qweight": ((e, n, k // 2), torch.uint8), "scales": ((e, n, k // group_size), dtype),
+                       "zeros": ((e, n, k // group_size), dtype)})
             delattr(self, name)
             for suffix, (shape, dtype) in shapes.items():
                 self.register_buffer(f"{name}_{suffix}", torch.empty(shape, dtype=dtype, device=device))
         self.mode, self.group_size, self.backend = mode, group_size, backend
 
     def load_rows(self, name: str, rows: slice, buffers: tuple[torch.Tensor, ...]) -> None:
-        """One checkpoint tensor's quantized buffers (an expert's gate, up or down: rows of w13 or w2, as
-        checkpoint_tensors gives them) into those rows. Rows quantize on their own: the bytes are quantize's."""
+        """One tensor's quantized buffers (an expert's gate, up or down: rows of w13 or w2, as checkpoint_tensors
+        gives them) into those rows, in quantize_on_load's order. Rows quantize on their own: the same bytes as the
+        whole expert's."""
         suffixes = ("qweight", "scale") if self.mode == "int8" else ("qweight", "scales", "zeros")
         for suffix, part in zip(suffixes, buffers, strict=True):
             getattr(self, f"{name}_{suffix}").flatten(0, 1)[rows].copy_(part)

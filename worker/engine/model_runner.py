@@ -185,14 +185,7 @@ class ModelRunner:
     def run(self, scheduled: list[tuple[Sequence, int]]) -> tuple[torch.Tensor, list[Sequence]]:
         """One forward over every scheduled token; returns logits for sequences whose last token was computed."""
         batch = self.prepare(scheduled)
-        if self.lora is not None:
-            self.lora.begin_step(batch.row_adapters, batch.sampled_rows)
-        try:
-            hidden = self.model(batch.input_ids, batch.positions, self.caches, batch.attention,
-                                keep=batch.logits_rows)
-        finally:
-            if self.lora is not None:
-                self.lora.end_step()
+        hidden = self._forward(batch, batch.logits_rows, batch.sampled_rows)
         if not batch.sample_seqs:
             # nothing reads this step back, so wait for the device here: else its GPU time lands in the next step
             # (whose prepare syncs) and is charged to that step's sequences
@@ -205,14 +198,18 @@ class ModelRunner:
     def all_logits(self, seq: Sequence) -> torch.Tensor:
         """Logits at every position of a sequence's uncomputed tokens (its blocks already allocated)."""
         batch = self.prepare([(seq, seq.num_remaining)])
+        return self.model.compute_logits(self._forward(batch))
+
+    def _forward(self, batch: PreparedBatch, keep: torch.Tensor | None = None,
+                 sampled_rows: list[int] | None = None) -> torch.Tensor:
+        """The model over the batch (its `keep` rows' outputs only, if given), each row with its LoRA adapter."""
         if self.lora is not None:
-            self.lora.begin_step(batch.row_adapters, None)
+            self.lora.begin_step(batch.row_adapters, sampled_rows)
         try:
-            hidden = self.model(batch.input_ids, batch.positions, self.caches, batch.attention)
+            return self.model(batch.input_ids, batch.positions, self.caches, batch.attention, keep=keep)
         finally:
             if self.lora is not None:
                 self.lora.end_step()
-        return self.model.compute_logits(hidden)
 
     def prepare(self, scheduled: list[tuple[Sequence, int]]) -> PreparedBatch:
         """The step's tensors on the device, from each scheduled sequence and its number of new tokens."""

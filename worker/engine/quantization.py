@@ -33,15 +33,14 @@ CPU_INT4_PACK_ROWS = 1024
 
 def quantize_model(model: torch.nn.Module, mode: str, group_size: int, backend: str, lm_head: bool = False) -> None:
     """Replace the float weight of every attention/MLP projection (and lm_head if asked) by its quantized form."""
+    # those the loader quantized as their tensors arrived (loader.py) are left as they are
     for module in quantized_linears(model, mode, group_size, lm_head):
-        # the loader quantizes projections (and experts) as their tensors arrive (loader.py)
-        if isinstance(module, Linear) and module.method is DENSE:
+        if isinstance(module, FusedExperts):  # their own weight layout: they quantize themselves
+            module.quantize(mode, group_size, backend)
+        elif module.method is DENSE:
             method = new_method(mode, group_size, backend)
             method.quantize(module)
             module.method = method
-    for module in model.modules():  # modules with their own weight layout (MoE experts) quantize themselves
-        if callable(getattr(module, "quantize", None)):
-            module.quantize(mode, group_size, backend)
 
 
 def quantized_linears(model: torch.nn.Module, mode: str, group_size: int,
