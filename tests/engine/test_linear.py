@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from sluice.kernels import cpu_gemm as sluice_gemm
 from sluice.worker.engine import LLM, linear
 from sluice.worker.engine.config import EngineConfig
 from sluice.worker.engine.linear import (
@@ -15,6 +16,7 @@ from sluice.worker.engine.linear import (
     Linear,
     PackedMklFloat32,
     PackedOneDnnFloat32,
+    PackedSluiceGemm,
     bucket_rows,
     can_pack_float32,
     can_pack_mkl,
@@ -82,8 +84,24 @@ def test_cpu_gemm_is_mkl_on_intel_and_onednn_elsewhere(monkeypatch):
     assert cpu_gemm("auto") == "onednn"
     with pytest.raises(ValueError, match="cpu_gemm='mkl' needs a PyTorch built with MKL"):
         cpu_gemm("mkl")
-    with pytest.raises(ValueError, match="cpu_gemm must be one of auto, mkl, onednn, got 'blas'"):
+    with pytest.raises(ValueError, match="cpu_gemm must be one of auto, sluice, mkl, onednn, got 'blas'"):
         EngineConfig(model="x", cpu_gemm="blas")
+
+
+def test_cpu_gemm_takes_sluices_own_for_bfloat16_where_built(monkeypatch):
+    """'auto' gives bfloat16 to sluice's GEMM where its build has AVX512-BF16 and keeps float32 on MKL/oneDNN;
+    'sluice' asks for it in either dtype and says so where this CPU's build lacks it; MKL has no bfloat16 path."""
+    monkeypatch.setattr(linear, "cpu_vendor", lambda: "AuthenticAMD")
+    monkeypatch.setattr(linear.sluice_gemm, "dtypes", lambda: (torch.bfloat16, torch.float32))
+    assert cpu_gemm("auto", torch.bfloat16) == "sluice" and cpu_gemm("auto", torch.float32) == "onednn"
+    assert cpu_gemm("sluice", torch.float32) == "sluice" and cpu_gemm("sluice", torch.bfloat16) == "sluice"
+    assert cpu_gemm("onednn", torch.bfloat16) == "onednn" and cpu_gemm("auto", torch.float16) == "onednn"
+    if can_pack_mkl(torch.empty(1)):
+        assert cpu_gemm("mkl", torch.bfloat16) == "onednn"
+    monkeypatch.setattr(linear.sluice_gemm, "dtypes", lambda: ())  # no compiler, or no AVX-512
+    assert cpu_gemm("auto", torch.bfloat16) == "onednn"
+    with pytest.raises(ValueError, match="cpu_gemm='sluice' needs its torch.bfloat16 kernel"):
+        cpu_gemm("sluice", torch.bfloat16)
 
 
 def test_cpu_vendor_reads_this_machine():
@@ -185,15 +203,41 @@ def test_packed_bfloat16_weights_against_f_linear(rows):
     torch.testing.assert_close(got.float(), F.linear(x.float(), w, b), rtol=1.6e-2, atol=1e-2)
 
 
+@pytest.mark.skipif(torch.bfloat16 not in sluice_gemm.dtypes(), reason="sluice's GEMM has no bfloat16 here")
+@pytest.mark.parametrize("gemm", ["sluice", "onednn"])
+def test_engine_packs_bfloat16_for_sluices_gemm_and_fuses_silu(llama_dir, gemm):
+    """Every projection of a bfloat16 Llama in sluice's panels, gate_up packed gated; an MLP then takes silu(gate) *
+    up from the GEMM, bit for bit what the projection and the SiLU kernel give. The same engine with
+    cpu_gemm='onednn' generates within bfloat16's rounding of it (the two sum in different orders)."""
+    llm = LLM(str(llama_dir), num_kv_blocks=8, dtype="bfloat16", cpu_gemm=gemm)
+    linears = [m for m in llm.runner.model.modules() if isinstance(m, Linear)]
+    want = PackedSluiceGemm if gemm == "sluice" else PackedOneDnnFloat32
+    assert all(isinstance(m.method, want) for m in linears)
+    mlp = llm.runner.model.model.layers[0].mlp
+    if gemm == "sluice":
+        assert mlp.gate_up_proj.method.packed.gated
+        assert not llm.runner.model.model.layers[0].self_attn.qkv_proj.method.packed.gated
+    x = torch.randn(37, mlp.gate_up_proj.in_features).bfloat16()
+    unfused = mlp.act(mlp.gate_up_proj(x))
+    assert torch.equal(mlp.gated(x), unfused)
+    if gemm == "sluice":
+        fused = mlp.gate_up_proj.method.fused_silu_and_mul(mlp.gate_up_proj, x)
+        assert fused is not None and torch.equal(fused, unfused)
+    assert llm.stats()["weight_bytes"] == LLM(str(llama_dir), num_kv_blocks=8, dtype="bfloat16",
+                                              cpu_gemm="onednn").stats()["weight_bytes"]
+
+
 @pytest.mark.skipif(not native_half_gemm(torch.bfloat16), reason="no native bfloat16 GEMM on this CPU")
-def test_bfloat16_engine_against_transformers(llama_dir):
-    """The bfloat16 engine (packed oneDNN GEMMs) against transformers' bfloat16 forward: logits within bfloat16's
-    rounding of the float32 ones, greedy tokens agreeing on at least 95% of positions (teacher-forced)."""
+@pytest.mark.parametrize("gemm", ["auto", "onednn"])
+def test_bfloat16_engine_against_transformers(llama_dir, gemm):
+    """The bfloat16 engine (sluice's GEMM where built for AVX512-BF16, else oneDNN's; then oneDNN's) against
+    transformers' bfloat16 forward: logits within bfloat16's rounding of the float32 ones, greedy tokens agreeing
+    on at least 95% of positions (teacher-forced)."""
     import transformers
 
 
     model = transformers.AutoModelForCausalLM.from_pretrained(str(llama_dir), dtype=torch.bfloat16)
-    llm = LLM(str(llama_dir), dtype="bfloat16")
+    llm = LLM(str(llama_dir), dtype="bfloat16", cpu_gemm=gemm)
     prompt = list(range(5, 70))
     with torch.no_grad():
         expected = model(torch.tensor([prompt])).logits[0].float()
@@ -208,3 +252,13 @@ def test_bfloat16_engine_against_transformers(llama_dir):
         mine = llm.prompt_logits(ids + ref)[len(ids) - 1:-1].argmax(-1).tolist()
         agree, total = agree + sum(a == b for a, b in zip(mine, ref)), total + len(ref)
     assert agree >= 0.95 * total, (agree, total)
+
+
+@pytest.mark.skipif(torch.float32 not in sluice_gemm.dtypes(), reason="sluice's GEMM has no float32 here")
+def test_float32_engine_on_sluices_gemm_when_asked(llama_dir):
+    """cpu_gemm='sluice' takes float32 too: the same logits as oneDNN's GEMM within float32 summation order."""
+    ours = LLM(str(llama_dir), num_kv_blocks=8, cpu_gemm="sluice")
+    assert all(isinstance(m.method, PackedSluiceGemm) for m in ours.runner.model.modules() if isinstance(m, Linear))
+    theirs = LLM(str(llama_dir), num_kv_blocks=8, cpu_gemm="onednn")
+    prompt = list(range(5, 60))
+    torch.testing.assert_close(ours.prompt_logits(prompt), theirs.prompt_logits(prompt), rtol=1e-4, atol=1e-4)

@@ -47,6 +47,7 @@ def _step(gen: torch.Generator, int8: bool):
 @pytest.mark.parametrize("cpu_kernel", [True, False], ids=["cpu_decode_kernel", "decode_buckets"])
 def test_a_whole_step_matches_the_reference(monkeypatch, int8, short, cpu_kernel):
     monkeypatch.setattr(attention, "SHORT_PREFILL", short)
+    monkeypatch.setattr(attention, "KERNEL_PREFILL_CONTEXT", 0)  # the kernel takes the decode rows only
     q, cache, meta = _step(torch.Generator().manual_seed(0), int8)
     backend = TorchAttention(cpu_decode_kernel=cpu_kernel)
     out = backend.attend(q, cache, meta, DIM ** -0.5)
@@ -65,9 +66,36 @@ def test_a_sliding_window_masks_the_same_keys_in_buckets_as_alone(monkeypatch):
     q, cache, meta = _step(torch.Generator().manual_seed(1), False)
     meta.sliding_window = 12
     outs = []
-    for short, cpu_kernel in ((attention.SHORT_PREFILL, True), (0, False)):  # decode rows by the kernel, then not
+    # decode rows by the kernel, prefill rows bucketed; then every row by the kernel; then no kernel, no buckets
+    for short, kernel_prefill, cpu_kernel in ((attention.SHORT_PREFILL, 0, True), (0, 1000, True), (0, 0, False)):
         monkeypatch.setattr(attention, "SHORT_PREFILL", short)
+        monkeypatch.setattr(attention, "KERNEL_PREFILL_CONTEXT", kernel_prefill)
         outs.append(TorchAttention(cpu_decode_kernel=cpu_kernel).attend(q, cache, meta, DIM ** -0.5))
-    torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(outs[0], outs[2], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(outs[1], outs[2], atol=1e-5, rtol=1e-5)
     meta.sliding_window = None  # and the window did change the output
     assert not torch.allclose(outs[0], TorchAttention().attend(q, cache, meta, DIM ** -0.5), atol=1e-3)
+
+
+@pytest.mark.parametrize("limit", [40, 1000], ids=["short_contexts", "every_row"])
+def test_the_cpu_kernel_takes_short_context_prefill_rows_token_by_token(monkeypatch, limit):
+    """Prefill rows whose context fits KERNEL_PREFILL_CONTEXT go to the C++ kernel as one row per query token over
+    its causal prefix (whole prompts and chunks after a cached prefix alike); the rest keep SDPA. Either way, the
+    step's output is the reference's."""
+    monkeypatch.setattr(attention, "KERNEL_PREFILL_CONTEXT", limit)
+    q, cache, meta = _step(torch.Generator().manual_seed(2), False)
+    backend = TorchAttention()
+    out = backend.attend(q, cache, meta, DIM ** -0.5)
+    want = paged_prefill_attention_ref(q, cache.k, cache.v, meta.block_tables, meta.cu_seqlens_q, meta.context_lens,
+                                       DIM ** -0.5)
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+    plan = backend._plans[None][1]
+    taken = [i for i, (n, ctx) in enumerate(ROWS) if n == 1 or ctx <= limit]
+    starts = meta.cu_seqlens_q.tolist()
+    tokens = [t for i in taken for t in range(starts[i], starts[i + 1])]
+    got = plan.kernel.tokens
+    assert (list(range(len(q))[got]) if isinstance(got, slice) else got.tolist()) == tokens
+    # each token attends its own prefix: the keys before it and itself
+    assert plan.kernel.context_lens.tolist() == [c for i in taken for c in range(ROWS[i][1] - ROWS[i][0] + 1,
+                                                                                 ROWS[i][1] + 1)]
+    assert len(plan.prefills) + sum(b.table.shape[0] for b in plan.short_prefills) == len(ROWS) - len(taken)

@@ -9,6 +9,7 @@ import torch
 from sluice.kernels import cpu_attention
 from sluice.kernels.cpu_attention import paged_decode_attention_cpu
 from sluice.kernels.decode_attention import paged_decode_attention_ref
+from sluice.worker.engine import attention
 from sluice.worker.engine.attention import AttentionMetadata, LayerCache, TorchAttention
 
 BLOCK = 16
@@ -112,7 +113,8 @@ def test_rejects_what_it_cannot_run(change, message):
         paged_decode_attention_cpu(**change(args))
 
 
-def test_the_torch_backend_takes_it_for_float32_decode_rows_and_agrees_with_gather_and_sdpa():
+def test_the_torch_backend_takes_it_for_float32_decode_rows_and_agrees_with_gather_and_sdpa(monkeypatch):
+    monkeypatch.setattr(attention, "KERNEL_PREFILL_CONTEXT", 0)  # the prompt keeps SDPA here
     contexts = CONTEXTS + [5]  # the decode rows, then one 5-token prompt
     q, k, v, tables, ctx = _paged(torch.Generator().manual_seed(7), contexts, 8, 2, 64)
     q = torch.cat([q[:-1], torch.randn(5, 8, 64, generator=torch.Generator().manual_seed(8))])

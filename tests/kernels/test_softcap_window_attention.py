@@ -9,6 +9,7 @@ from kernel_test_utils import DEVICE, assert_close, make_paged_kv, nan_like
 from sluice.kernels import cpu_attention
 from sluice.kernels.decode_attention import paged_decode_attention, paged_decode_attention_ref
 from sluice.kernels.prefill_attention import paged_prefill_attention, paged_prefill_attention_ref
+from sluice.worker.engine import attention
 from sluice.worker.engine.attention import AttentionMetadata, LayerCache, TorchAttention
 
 SCALE = 0.5  # with head_dim 16 and unit-normal q and k, scores of about +-2: a cap of 1.5 bites
@@ -79,8 +80,9 @@ def test_the_references_mask_and_cap(gen):
 
 @pytest.mark.parametrize(("window", "softcap"), MASKING)
 @pytest.mark.parametrize("cpu_kernel", [False, True], ids=["gathered", "cpu_kernel"])
-def test_torch_backend_matches_the_references(gen, window, softcap, cpu_kernel):
-    """One step of decode rows, short prefills (bucketed) and a long one (alone), as the engine attends it."""
+def test_torch_backend_matches_the_references(monkeypatch, gen, window, softcap, cpu_kernel):
+    """One step of decode rows, short prefills (bucketed) and a long one (alone), as the engine attends it; then
+    with the kernel taking the prefill rows too."""
     if cpu_kernel and (DEVICE != "cpu" or not cpu_attention.available()):
         pytest.skip("the C++ decode kernel runs float32 on the CPU only")
     seqs = [(1, n) for n in DECODE_CONTEXTS] + PREFILL_SEQS
@@ -90,12 +92,18 @@ def test_torch_backend_matches_the_references(gen, window, softcap, cpu_kernel):
     meta = AttentionMetadata(slot_mapping=torch.zeros(len(q), dtype=torch.int64, device=DEVICE), block_tables=tables,
                              context_lens=ctx, cu_seqlens_q=cu, num_decodes=nd, query_lens=q_lens,
                              context_lens_list=contexts, sliding_window=window)
-    backend = TorchAttention(cpu_decode_kernel=cpu_kernel)
-    out = backend.attend(q, LayerCache(k, v), meta, SCALE, softcap)
-    plan = backend._plans[window][1]
-    assert plan.cpu_decode == cpu_kernel and plan.prefills and plan.short_prefills  # every path ran
     masking = dict(sliding_window=window, softcap=softcap)
     want_decode = paged_decode_attention_ref(q[:nd], k, v, tables[:nd], ctx[:nd], SCALE, **masking)
     want_prefill = paged_prefill_attention_ref(q[nd:], k, v, tables[nd:], cu[nd:] - nd, ctx[nd:], SCALE, **masking)
-    torch.testing.assert_close(out[:nd], want_decode, atol=2e-5, rtol=2e-5)
-    torch.testing.assert_close(out[nd:], want_prefill, atol=2e-5, rtol=2e-5)
+    for kernel_prefill in (0, 10_000) if cpu_kernel else (0,):
+        monkeypatch.setattr(attention, "KERNEL_PREFILL_CONTEXT", kernel_prefill)
+        backend = TorchAttention(cpu_decode_kernel=cpu_kernel)
+        out = backend.attend(q, LayerCache(k, v), meta, SCALE, softcap)
+        plan = backend._plans[window][1]
+        assert plan.cpu_decode == cpu_kernel
+        if kernel_prefill:  # every row went to the kernel
+            assert not plan.prefills and not plan.short_prefills and plan.kernel.tokens == slice(0, len(q))
+        else:
+            assert plan.prefills and plan.short_prefills  # every path ran
+        torch.testing.assert_close(out[:nd], want_decode, atol=2e-5, rtol=2e-5)
+        torch.testing.assert_close(out[nd:], want_prefill, atol=2e-5, rtol=2e-5)

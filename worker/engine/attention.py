@@ -59,6 +59,11 @@ BUCKET_BYTES = 2 << 20
 # Prefill rows of at most this many query tokens are attended together, padded to their bucket's longest (a
 # stream of short prompts otherwise costs a gather and an SDPA call per prompt and layer); longer rows run alone.
 SHORT_PREFILL = 64
+# With the C++ kernel, a prefill row whose context is at most this many tokens goes to it too, each query token as
+# a decode row over its own causal prefix (the same keys SDPA's causal mask leaves it): one call for the step's
+# decode and short prefill rows instead of a gather and an SDPA call per row and layer. Longer contexts are faster
+# through SDPA's blocked kernel, which reads each key once per block of queries rather than once per query.
+KERNEL_PREFILL_CONTEXT = 256
 
 
 @dataclass
@@ -88,13 +93,26 @@ class PrefillBucket:
 
 
 @dataclass
+class KernelRows:
+    """The query tokens the C++ kernel attends this step, each one row over its own context."""
+
+    tokens: slice | torch.Tensor  # the tokens of the step it takes: a leading slice, or int64 indices
+    tables: torch.Tensor  # [rows, max_blocks] int32: each token's sequence's block table
+    context_lens: torch.Tensor  # [rows] int32: keys each token attends (its position + 1)
+
+
+@dataclass
 class StepPlan:
     """What every layer attends over this step, derived once from the metadata instead of once per layer."""
 
     decodes: list[DecodeBucket]
     prefills: list[PrefillRow]
     short_prefills: list[PrefillBucket]
-    cpu_decode: bool = False  # the decode rows go to the C++ kernel, not to buckets
+    kernel: KernelRows | None = None  # the decode rows (and short prefill rows) for the C++ kernel
+
+    @property
+    def cpu_decode(self) -> bool:
+        return self.kernel is not None
 
 
 class TorchAttention:
@@ -126,11 +144,14 @@ class TorchAttention:
                softcap: float | None = None) -> torch.Tensor:
         plan = self._step_plan(meta, cache, q)
         out = torch.empty_like(q)
-        if plan.cpu_decode:
-            nd = meta.num_decodes
-            cpu_attention.paged_decode_attention_cpu(q[:nd], cache.k, cache.v, meta.block_tables[:nd],
-                                                     meta.context_lens[:nd], scale, meta.sliding_window, out[:nd],
-                                                     softcap)
+        if (rows := plan.kernel) is not None:
+            whole = isinstance(rows.tokens, slice)
+            kq = q[rows.tokens] if whole else q.index_select(0, rows.tokens)
+            kout = out[rows.tokens] if whole else torch.empty_like(kq)
+            cpu_attention.paged_decode_attention_cpu(kq, cache.k, cache.v, rows.tables, rows.context_lens, scale,
+                                                     meta.sliding_window, kout, softcap)
+            if not whole:
+                out.index_copy_(0, rows.tokens, kout)
         for b in plan.decodes:
             out[b.rows] = self._decode(q[b.rows], cache, b, scale, softcap)
         for p in plan.prefills:
@@ -150,11 +171,15 @@ class TorchAttention:
             dtype, native = q.dtype, self._native_decode(q, cache, meta)
             _, block_size, kv_heads, head_dim = cache.k.shape
             token_bytes = 2 * kv_heads * head_dim * dtype.itemsize  # K and V, as gathered
-            short = [i for i in range(meta.num_decodes, len(meta.query_lens)) if meta.query_lens[i] <= SHORT_PREFILL]
+            prefill = range(meta.num_decodes, len(meta.query_lens))
+            to_kernel = [i for i in prefill if meta.context_lens_list[i] <= KERNEL_PREFILL_CONTEXT] if native else []
+            rest = set(prefill) - set(to_kernel)
+            short = [i for i in sorted(rest) if meta.query_lens[i] <= SHORT_PREFILL]
             decodes = [] if native else _decode_buckets(meta, block_size, token_bytes, dtype)
+            kernel = _kernel_rows(meta, [*range(meta.num_decodes), *to_kernel]) if native else None
             plan = self._plans[meta.sliding_window] = (meta, StepPlan(
-                decodes, _prefill_rows(meta, block_size, set(short)),
-                _short_prefill_buckets(meta, short, block_size, token_bytes, dtype), native))
+                decodes, _prefill_rows(meta, block_size, set(short) | set(to_kernel)),
+                _short_prefill_buckets(meta, short, block_size, token_bytes, dtype), kernel))
         return plan[1]
 
     def _decode(self, q: torch.Tensor, cache: LayerCache, b: DecodeBucket, scale: float,
@@ -275,6 +300,24 @@ def _short_prefill_bucket(meta: AttentionMetadata, rows: list[int], starts: list
     table = meta.block_tables[torch.tensor(rows, device=dev), :blocks]
     return PrefillBucket(torch.tensor(src, device=dev), torch.tensor(dst, device=dev), width, table,
                          bias[:, None])
+
+
+def _kernel_rows(meta: AttentionMetadata, rows: list[int]) -> KernelRows:
+    """Sequences `rows` (ascending) as one kernel row per query token, over that token's causal prefix."""
+    starts = meta.cu_seqlens_q.tolist()
+    counts = [meta.query_lens[i] for i in rows]
+    ctx = [c for i in rows for c in range(meta.context_lens_list[i] - meta.query_lens[i] + 1,
+                                          meta.context_lens_list[i] + 1)]
+    dev = meta.context_lens.device
+    if rows == list(range(len(rows))):  # the step's leading sequences: their tokens are a leading slice
+        tokens = slice(0, starts[len(rows)])
+        tables = meta.block_tables[:len(rows)]
+    else:
+        tokens = torch.tensor([t for i in rows for t in range(starts[i], starts[i + 1])], device=dev)
+        tables = meta.block_tables[torch.tensor(rows, device=dev)]
+    if len(rows) != sum(counts):  # a prefill row among them: its table once per query token
+        tables = tables.repeat_interleave(torch.tensor(counts, device=dev), dim=0)
+    return KernelRows(tokens, tables.contiguous(), torch.tensor(ctx, dtype=torch.int32, device=dev))
 
 
 def _prefill_rows(meta: AttentionMetadata, block_size: int, skip: set[int]) -> list[PrefillRow]:

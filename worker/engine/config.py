@@ -25,7 +25,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 CPU_DEFAULT_KV_CACHE_MEMORY = 1 << 30
 CUDA_MEMORY_FRACTION = 0.9
 BACKENDS = ("auto", "torch", "triton")
-CPU_GEMMS = ("auto", "mkl", "onednn")
+CPU_GEMMS = ("auto", "sluice", "mkl", "onednn")
 
 
 class ModelError(ValueError):
@@ -211,7 +211,9 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     attention_backend: str = "auto"
     linear_backend: str = "auto"
-    cpu_gemm: str = "auto"  # float32 CPU projections: "mkl", "onednn", or "auto" (MKL on Intel, oneDNN elsewhere)
+    # CPU projections: "sluice" (its own GEMM, bfloat16 on AVX512-BF16 and float32 on AVX-512), "mkl" or "onednn"
+    # (float32; bfloat16 takes oneDNN's), or "auto": sluice's for bfloat16, MKL's float32 on Intel, oneDNN's elsewhere
+    cpu_gemm: str = "auto"
     load_format: str = "auto"
     enable_lora: bool = False  # LoRA adapters, named per request (lora.LoRARequest), served beside the base model
     max_loras: int = 8  # adapters on the device at once: the most distinct adapters one step can run

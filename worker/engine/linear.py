@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from sluice.kernels import cpu_gemm as sluice_gemm
+
 
 class Linear(nn.Module):
     """y = x W^T + b, with W the row-wise concatenation of `out_sizes` checkpoint tensors.
@@ -93,15 +95,26 @@ def cpu_vendor() -> str:
         return ""
 
 
-def cpu_gemm(choice: str) -> str:
-    """'mkl' or 'onednn' for float32 CPU projections: MKL's packed sgemm on Intel CPUs, oneDNN's elsewhere.
+def cpu_gemm(choice: str, dtype: torch.dtype = torch.float32) -> str:
+    """Which GEMM runs the CPU projections of `dtype`: 'sluice', 'mkl' or 'onednn'.
 
-    MKL dispatches by vendor and takes a generic path on AMD CPUs, where oneDNN (which dispatches by instruction
-    set) ran faster; on an Intel Xeon MKL's packed kernel ran faster than oneDNN's from 4 to 256 rows
-    (bench/throughput.py prints both rates; bench/NOTES.md has the runs)."""
+    'auto' takes sluice's own (kernels/cpu_gemm.py) for bfloat16 where it is built for AVX512-BF16: at a decode
+    step's rows it outran oneDNN's on the same weights. For float32 it ran no faster than oneDNN's in the engine, so
+    'auto' keeps MKL's packed sgemm on Intel CPUs and oneDNN's elsewhere: MKL dispatches by vendor and takes a generic
+    path on AMD CPUs, where oneDNN (which dispatches by instruction set) ran faster; on an Intel Xeon MKL's packed
+    kernel ran faster than oneDNN's from 4 to 256 rows (bench/throughput.py prints both rates; bench/NOTES.md has the
+    runs). MKL has no bfloat16 path: 'mkl' means oneDNN's there."""
+    ours = dtype in sluice_gemm.dtypes()
+    if choice == "sluice" and not ours:
+        raise ValueError(f"cpu_gemm='sluice' needs its {dtype} kernel, which this CPU's build lacks (bfloat16 needs "
+                         "AVX512-BF16, float32 AVX-512, and both a C++ compiler)")
     mkl = can_pack_mkl(torch.empty(1))
     if choice == "mkl" and not mkl:
         raise ValueError("cpu_gemm='mkl' needs a PyTorch built with MKL and oneDNN")
+    if choice == "sluice" or (choice == "auto" and ours and dtype == torch.bfloat16):
+        return "sluice"
+    if dtype != torch.float32:
+        return "onednn"
     if choice != "auto":
         return choice
     return "mkl" if mkl and cpu_vendor() == "GenuineIntel" else "onednn"
@@ -150,6 +163,26 @@ class PackedOneDnnFloat32:
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         return _onednn_linear(x, self.packed, layer.bias)
+
+
+class PackedSluiceGemm:
+    """A CPU weight in sluice's own GEMM's panels (kernels/cpu_gemm.py), packed once at load; replaces the weight.
+    At a decode step's 8-64 rows it runs 1.0-1.5x oneDNN's bfloat16 GEMM on the same weights, and as fast from there
+    up (bench/NOTES.md); no primitive per row count, so no row bucketing. A [gate; up] projection packs gated, so a
+    SiLU MLP can take silu(gate) * up straight from the GEMM (fused_silu_and_mul)."""
+
+    def __init__(self, layer: Linear):
+        sizes = layer.out_sizes
+        gated = len(sizes) == 2 and sizes[0] == sizes[1] and sluice_gemm.can_gate(layer.weight)
+        self.packed = sluice_gemm.pack(take_weight(layer), layer.bias, gated)
+        self.nbytes = self.packed.nbytes
+
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        return sluice_gemm.linear(x, self.packed)
+
+    def fused_silu_and_mul(self, layer: Linear, x: torch.Tensor) -> torch.Tensor | None:
+        """silu(gate) * up of this [gate; up] projection in one pass, or None where it is not packed so."""
+        return sluice_gemm.linear_silu_and_mul(x, self.packed) if self.packed.gated else None
 
 
 class OneDnnFloat32:

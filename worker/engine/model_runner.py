@@ -9,6 +9,7 @@ from functools import cache, cached_property
 import torch
 
 import sluice
+from sluice.kernels import cpu_gemm as sluice_gemm
 from sluice.kernels import cpu_layers
 from sluice.worker.engine.attention import AttentionMetadata, LayerCache, TorchAttention
 from sluice.worker.engine.config import CPU_DEFAULT_KV_CACHE_MEMORY, EngineConfig, ModelConfig
@@ -18,6 +19,7 @@ from sluice.worker.engine.linear import (
     PACKED_FLOAT32,
     Linear,
     PackedOneDnnFloat32,
+    PackedSluiceGemm,
     can_pack_float32,
     can_pack_half,
     cpu_gemm,
@@ -76,7 +78,7 @@ class ModelRunner:
             quantize_model(self.model, config.quantization, config.quantization_group_size,
                            config.backend("linear_backend"), config.quantize_lm_head)
         if config.backend("linear_backend") == "torch":
-            self._pack_float32_weights()
+            self._pack_cpu_weights()
         self.lora = None
         if config.enable_lora:  # after packing: the adapters' updates ride on whatever form the base weights took
             self.lora = LoRAManager(self.model, config.max_loras, config.max_lora_rank, self.dtype, self.device,
@@ -126,31 +128,35 @@ class ModelRunner:
         k_scale, v_scale = (torch.ones(shape[:3], dtype=torch.float32, device=self.device) for _ in range(2))
         return LayerCache(k, v, k_scale, v_scale)
 
-    def _pack_float32_weights(self) -> None:
-        """Float32 projections on CPU go to MKL's or oneDNN's packed layout (linear.cpu_gemm), bfloat16 and float16
-        ones to oneDNN's where the CPU multiplies them natively; a tied lm_head keeps the embedding's tensor (packing
+    def _pack_cpu_weights(self) -> None:
+        """CPU projections go to the packed layout of the GEMM linear.cpu_gemm picks for the dtype (bfloat16 and
+        float16 only where the CPU multiplies them natively); a tied lm_head keeps the embedding's tensor (packing
         would copy it) and only switches to oneDNN's GEMM, which multiplies an unpacked weight faster than MKL on
         Intel and AMD CPUs alike."""
-        if self.device.type == "cpu" and self.dtype in (torch.bfloat16, torch.float16) and \
-                not native_half_gemm(self.dtype):
+        if self.device.type != "cpu":
+            return
+        if self.dtype in (torch.bfloat16, torch.float16) and not native_half_gemm(self.dtype):
             log.warning("this CPU has no native %s arithmetic (AVX512-BF16, AMX): its matmuls convert to float32 "
                         "tile by tile, and --dtype float32 is likely faster", str(self.dtype).removeprefix("torch."))
-        packed = PACKED_FLOAT32[cpu_gemm(self.config.cpu_gemm)]
+        gemm = cpu_gemm(self.config.cpu_gemm, self.dtype)
         for module in self.model.modules():
             if not (isinstance(module, Linear) and module.method is DENSE):
                 continue
-            tied = module.weight is self.model.model.embed_tokens.weight
-            if can_pack_float32(module.weight):
-                module.method = ONEDNN_FLOAT32 if tied else packed(module)
-            elif can_pack_half(module.weight):  # bfloat16/float16 where the CPU has the instructions: oneDNN's GEMM
-                module.method = ONEDNN_FLOAT32 if tied else PackedOneDnnFloat32(module)
+            w = module.weight
+            onednn = can_pack_float32(w) or can_pack_half(w)
+            if w is self.model.model.embed_tokens.weight:
+                module.method = ONEDNN_FLOAT32 if onednn else DENSE
+            elif gemm == "sluice" and sluice_gemm.supports(w):
+                module.method = PackedSluiceGemm(module)
+            elif onednn:
+                module.method = PACKED_FLOAT32.get(gemm, PackedOneDnnFloat32)(module)
 
     @cached_property  # fixed once loaded, and stats() is read after every step by the worker's metrics
     def weight_bytes(self) -> int:
         """Bytes the weights occupy (tied tensors once; the rotary table is not a weight)."""
         tensors = {t.data_ptr(): t.numel() * t.element_size() for t in self.model.state_dict().values()}
         packed = [m.method.nbytes for m in self.model.modules()
-                  if isinstance(m, Linear) and isinstance(m.method, tuple(PACKED_FLOAT32.values()))]
+                  if isinstance(m, Linear) and isinstance(m.method, (*PACKED_FLOAT32.values(), PackedSluiceGemm))]
         return sum(tensors.values()) + sum(packed)
 
     @cached_property

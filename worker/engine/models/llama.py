@@ -59,12 +59,23 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # LoRA finds a projection's rows by their count (lora_layers.LoRAMapping): chunks would hide which they are
         if x.device.type != "cpu" or x.shape[0] <= CPU_MLP_ROWS or self.down_proj.lora is not None:
-            return self.down_proj(self.act(self.gate_up_proj(x)))
+            return self.down_proj(self.gated(x))
         out = torch.empty_like(x)
         for start in range(0, x.shape[0], CPU_MLP_ROWS):
             rows = slice(start, start + CPU_MLP_ROWS)
-            out[rows] = self.down_proj(self.act(self.gate_up_proj(x[rows])))
+            out[rows] = self.down_proj(self.gated(x[rows]))
         return out
+
+    def gated(self, x: torch.Tensor) -> torch.Tensor:
+        """act(gate) * up: from the GEMM itself where its method fuses SiLU (and no adapter changes gate_up's
+        output first), else the projection, then act."""
+        proj = self.gate_up_proj
+        fuse = getattr(proj.method, "fused_silu_and_mul", None)
+        if fuse is not None and self.act is silu_and_mul and proj.lora is None:
+            out = fuse(proj, x)
+            if out is not None:
+                return out
+        return self.act(proj(x))
 
 
 class DecoderLayer(nn.Module):
