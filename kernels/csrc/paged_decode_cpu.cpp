@@ -103,6 +103,24 @@ struct Scratch {
   std::vector<vec> acc;            // [heads, head_dim / LANES]
 };
 
+// Heads h0 .. h0 + H - 1 (one KV head's, whose value rows start `offset` elements after the token's K row): the
+// softmax-weighted sum of the values, token by token, scaled by 1 / the denominator and stored.
+template <int D, int H, typename T>
+inline void value_sums(const Scratch<T>& w, int64_t offset, int64_t h0, int64_t n, T* out) {
+  vec acc[H][D] = {};
+  for (int64_t t = 0; t < n; ++t) {
+    const T* v = w.rows[t] + offset;
+    vec kv[D];
+    for (int c = 0; c < D; ++c) kv[c] = load(v + c * LANES);
+    for (int i = 0; i < H; ++i) {
+      const float p = w.scores[(h0 + i) * n + t];
+      for (int c = 0; c < D; ++c) acc[i][c] += p * kv[c];
+    }
+  }
+  for (int i = 0; i < H; ++i)
+    for (int c = 0; c < D; ++c) store(out + ((h0 + i) * D + c) * LANES, acc[i][c] * w.inv[h0 + i]);
+}
+
 // One sequence, all its heads, over the keys [first, ctx): scores (soft-capped if softcap > 0), softmax, then the
 // weighted sum of values.
 template <int D, typename T>  // head_dim / LANES, the element type
@@ -144,21 +162,18 @@ void attend_one(const T* q, const T* k_cache, const T* v_cache, const int32_t* t
   if (softcap > 0)  // Gemma 2: softcap * tanh(score / softcap), before the softmax
     for (int64_t i = 0; i < heads * n; ++i) w.scores[i] = softcap * std::tanh(w.scores[i] / softcap);
   for (int64_t h = 0; h < heads; ++h) w.inv[h] = softmax_row(w.scores.data() + h * n, n);
-  vec* acc = w.acc.data();
-  std::fill(acc, acc + heads * D, vec{});
+  // values: a few heads' sums held in registers over the whole context (each KV head's group taken HEADS_AT heads at
+  // a time, so sums and a value row fit the 32 vector registers), adding token after token as before
   const int64_t v_offset = v_cache - k_cache;
-  for (int64_t t = 0; t < n; ++t) {
-    for (int64_t g = 0; g < s.kv_heads; ++g) {
-      const T* v = w.rows[t] + v_offset + g * s.head_dim;
-      for (int c = 0; c < D; ++c) kv[c] = load(v + c * LANES);
-      for (int64_t h = g * s.group; h < (g + 1) * s.group; ++h) {
-        const float p = w.scores[h * n + t];
-        for (int c = 0; c < D; ++c) acc[h * D + c] += p * kv[c];
-      }
+  constexpr int HEADS_AT = D >= 16 ? 1 : 16 / D;
+  for (int64_t g = 0; g < s.kv_heads; ++g)
+    for (int64_t h0 = g * s.group; h0 < (g + 1) * s.group; h0 += HEADS_AT) {
+      const int hn = static_cast<int>(std::min<int64_t>(HEADS_AT, (g + 1) * s.group - h0));
+      if (hn == HEADS_AT)
+        value_sums<D, HEADS_AT>(w, v_offset + g * s.head_dim, h0, n, out);
+      else
+        for (int i = 0; i < hn; ++i) value_sums<D, 1>(w, v_offset + g * s.head_dim, h0 + i, n, out);
     }
-  }
-  for (int64_t h = 0; h < heads; ++h)
-    for (int c = 0; c < D; ++c) store(out + (h * D + c) * LANES, acc[h * D + c] * w.inv[h]);
 }
 
 template <typename T>

@@ -160,15 +160,15 @@ class TorchAttention:
             out[b.src] = self._short_prefill(q, cache, b, scale, softcap)
         return out
 
-    def _native_decode(self, q: torch.Tensor, cache: LayerCache, meta: AttentionMetadata) -> bool:
-        return (self.cpu_decode_kernel and meta.num_decodes > 0 and cache.k_scale is None
-                and cpu_attention.supports(q, cache.k) and cpu_attention.available())
+    def _native(self, q: torch.Tensor, cache: LayerCache) -> bool:
+        return (self.cpu_decode_kernel and cache.k_scale is None and cpu_attention.supports(q, cache.k)
+                and cpu_attention.available())
 
     def _step_plan(self, meta: AttentionMetadata, cache: LayerCache, q: torch.Tensor) -> StepPlan:
         # one plan per window and step: layers of one window share it (Qwen2 may mix windowed and full layers)
         plan = self._plans.get(meta.sliding_window)
         if plan is None or plan[0] is not meta:  # a new step: the window's first layer builds it
-            dtype, native = q.dtype, self._native_decode(q, cache, meta)
+            dtype, native = q.dtype, self._native(q, cache)
             _, block_size, kv_heads, head_dim = cache.k.shape
             token_bytes = 2 * kv_heads * head_dim * dtype.itemsize  # K and V, as gathered
             prefill = range(meta.num_decodes, len(meta.query_lens))
@@ -176,7 +176,8 @@ class TorchAttention:
             rest = set(prefill) - set(to_kernel)
             short = [i for i in sorted(rest) if meta.query_lens[i] <= SHORT_PREFILL]
             decodes = [] if native else _decode_buckets(meta, block_size, token_bytes, dtype)
-            kernel = _kernel_rows(meta, [*range(meta.num_decodes), *to_kernel]) if native else None
+            rows = [*range(meta.num_decodes), *to_kernel] if native else []
+            kernel = _kernel_rows(meta, rows) if rows else None
             plan = self._plans[meta.sliding_window] = (meta, StepPlan(
                 decodes, _prefill_rows(meta, block_size, set(short) | set(to_kernel)),
                 _short_prefill_buckets(meta, short, block_size, token_bytes, dtype), kernel))
