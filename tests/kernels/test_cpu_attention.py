@@ -43,7 +43,11 @@ def test_matches_the_reference(dim, heads, kv_heads):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(8, 2, 64), (4, 4, 128)])
+# bfloat16 scores take vdpbf16ps over 16-token tiles where the CPU has AVX512-BF16, for groups of 1-8 query heads
+# and head_dim a multiple of 32: every group size of that path, and the general path past it (group 12, dim 16)
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(8, 2, 64), (4, 4, 128), (4, 2, 64), (6, 2, 32), (14, 2, 64),
+                                                        (16, 2, 256), (10, 2, 64), (12, 2, 64), (24, 2, 64),
+                                                        (8, 2, 16)])
 def test_half_precision_caches_match_the_float32_reference(dtype, heads, kv_heads, dim):
     """bfloat16/float16 query and cache read in place, float32 inside: within the dtype's rounding of the float32
     reference over the same (rounded) values, and with a sliding window and soft-capping too."""
