@@ -188,6 +188,14 @@ class Worker:
             raise WorkerFailed(f"{self.name}: exited with {self.proc.wait()}") from None
 
     def close(self, timeout: float = 120) -> None:
+        """Ends the worker and every process it started (vLLM's engine core and its worker outlive a main process
+        that exits first, and would run beside the next engine's measured run)."""
+        import psutil
+
+        try:
+            children = psutil.Process(self.proc.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            children = []
         try:
             self.send("exit")
             self.proc.wait(timeout=timeout)
@@ -196,6 +204,10 @@ class Worker:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
+        _, alive = psutil.wait_procs(children, timeout=30)
+        for child in alive:
+            child.kill()
+        psutil.wait_procs(alive, timeout=10)
         self.log.close()
 
     def tail(self, n: int = 25) -> str:
