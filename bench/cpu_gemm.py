@@ -22,7 +22,7 @@ import torch
 # isort: on
 
 from sluice.kernels import cpu_gemm, cpu_layers
-from sluice.worker.engine.linear import bucket_rows
+from sluice.worker.engine.linear import PACK_ROWS, _onednn_linear
 
 # the bench Llama's projections: (out_features, in_features, gated)
 SHAPES = {"qkv": (1536, 1024, False), "o": (1024, 1024, False), "gate_up": (5632, 1024, True),
@@ -30,16 +30,13 @@ SHAPES = {"qkv": (1536, 1024, False), "o": (1024, 1024, False), "gate_up": (5632
 LAYERS = 8
 
 
-def onednn(dtype: torch.dtype):
+def onednn():
     def pack(w: torch.Tensor, gated: bool):
-        return torch.ops.mkldnn._reorder_linear_weight(w, 64), gated
+        return torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS), gated
 
     def run(x: torch.Tensor, packed) -> torch.Tensor:
         w, gated = packed
-        rows = x.shape[0]
-        if bucket_rows(rows) != rows:  # as the engine calls it
-            x = torch.nn.functional.pad(x, (0, 0, 0, bucket_rows(rows) - rows))
-        y = torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")[:rows]
+        y = _onednn_linear(x, w, None)  # as the engine calls it: rows bucketed
         return cpu_layers.silu_and_mul(y) if gated else y
     return pack, run
 
@@ -75,7 +72,7 @@ def main() -> None:
         if dtype not in cpu_gemm.dtypes():
             print(f"{name}: sluice's GEMM was not built for it on this CPU; skipped")
             continue
-        engines = {"onednn": onednn(dtype), "sluice": sluice_gemm()}
+        engines = {"onednn": onednn(), "sluice": sluice_gemm()}
         gen = torch.Generator().manual_seed(0)
         raw = {s: [(torch.randn(n, k, generator=gen) / k ** 0.5).to(dtype) for _ in range(LAYERS)]
                for s, (n, k, _) in SHAPES.items()}

@@ -1,7 +1,7 @@
 // y = x W^T (+ b) on the CPU with the weight packed once at load, for bfloat16 (AVX512-BF16's vdpbf16ps: pairs of
 // bfloat16 products summed into float32) and float32 (AVX-512 FMA). oneDNN's GEMM, which the engine used before,
-// loses most where a decode step lives: at 8-64 rows it ran 0.7-0.9 of these loops on the bench shapes, which reach
-// 90-95% of the vector units' peak from 8 rows up (bench/NOTES.md). The whole kernel is one register tile: MR rows of
+// loses most where a decode step lives: at 8-64 rows it ran 0.4-1.0 of these loops' speed on the bench shapes with
+// weights not in cache, and these reach 92-99% of the vector units' peak from 8 rows up (bench/NOTES.md). The whole kernel is one register tile: MR rows of
 // x by NR = 32 output columns (two vectors of 16 float32 sums), over all of K, the weight's 32-column panel streaming
 // from memory once and then from L2 for every further tile of rows. Threads take whole panels, so each output
 // element is one thread's sum over K in order: the result does not depend on the thread count.
@@ -54,7 +54,7 @@ struct Epilogue {
   void operator()(__m512 (&acc)[R][2], int64_t row, int64_t panel) const {
     if (bias)
       for (int h = 0; h < 2; ++h) {
-        const __m512 b = _mm512_loadu_ps(bias + panel * 32 + h * 16);
+        const __m512 b = _mm512_loadu_ps(bias + panel * NR + h * 16);
         for (int r = 0; r < R; ++r) acc[r][h] = _mm512_add_ps(acc[r][h], b);
       }
     T* out = c + row * ldc;
@@ -66,12 +66,12 @@ struct Epilogue {
         put(out + r * ldc + n / 2 + panel * 16, acc[r][1], 0xFFFF);
       }
     } else {
-      const int64_t cols = std::min<int64_t>(32, n - panel * 32);
+      const int64_t cols = std::min<int64_t>(NR, n - panel * NR);
       const __mmask16 lo = cols >= 16 ? 0xFFFF : (1u << cols) - 1;
       const __mmask16 hi = cols >= 32 ? 0xFFFF : cols <= 16 ? 0 : (1u << (cols - 16)) - 1;
       for (int r = 0; r < R; ++r) {
-        put(out + r * ldc + panel * 32, acc[r][0], lo);
-        put(out + r * ldc + panel * 32 + 16, acc[r][1], hi);
+        put(out + r * ldc + panel * NR, acc[r][0], lo);
+        put(out + r * ldc + panel * NR + 16, acc[r][1], hi);
       }
     }
   }

@@ -106,7 +106,7 @@ struct Scratch {
   std::vector<const T*> rows;      // each context token's K row (all KV heads)
   std::vector<float> scores;       // [heads, context]
   std::vector<float> inv;          // [heads]: 1 / softmax denominator
-  std::vector<vec> acc;            // [heads, head_dim / LANES]
+  std::vector<vec> acc;            // [heads, head_dim / LANES]: the scaled queries
 };
 
 // Heads h0 .. h0 + H - 1 (one KV head's, whose value rows start `offset` elements after the token's K row): the
@@ -132,7 +132,7 @@ inline void value_sums(const Scratch<T>& w, int64_t offset, int64_t h0, int64_t 
 template <int D, typename T>
 void scores(const T* q, int64_t n, const Shape& s, float scale, Scratch<T>& w) {
   const int64_t heads = s.kv_heads * s.group;
-  vec* qs = w.acc.data();  // the scaled queries, until the value pass needs the space
+  vec* qs = w.acc.data();
   for (int64_t h = 0; h < heads; ++h)
     for (int c = 0; c < D; ++c) qs[h * D + c] = load(q + (h * D + c) * LANES) * scale;
   // the (token, head) dot products in order, reduced sixteen at a time; the last few one by one, in the same order

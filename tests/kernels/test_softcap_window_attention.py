@@ -100,7 +100,7 @@ def test_torch_backend_matches_the_references(monkeypatch, gen, window, softcap,
         backend = TorchAttention(cpu_decode_kernel=cpu_kernel)
         out = backend.attend(q, LayerCache(k, v), meta, SCALE, softcap)
         plan = backend._plans[window][1]
-        assert plan.cpu_decode == cpu_kernel
+        assert (plan.kernel is not None) == cpu_kernel
         if kernel_prefill:  # every row went to the kernel
             assert not plan.prefills and not plan.short_prefills and plan.kernel.tokens == slice(0, len(q))
         else:

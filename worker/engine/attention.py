@@ -110,10 +110,6 @@ class StepPlan:
     short_prefills: list[PrefillBucket]
     kernel: KernelRows | None = None  # the decode rows (and short prefill rows) for the C++ kernel
 
-    @property
-    def cpu_decode(self) -> bool:
-        return self.kernel is not None
-
 
 class TorchAttention:
     """Reference backend in plain PyTorch, for CPU and CUDA: gathers each sequence's blocks, then SDPA. Decode rows

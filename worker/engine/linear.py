@@ -104,14 +104,15 @@ def cpu_gemm(choice: str, dtype: torch.dtype = torch.float32) -> str:
     path on AMD CPUs, where oneDNN (which dispatches by instruction set) ran faster; on an Intel Xeon MKL's packed
     kernel ran faster than oneDNN's from 4 to 256 rows (bench/throughput.py prints both rates; bench/NOTES.md has the
     runs). MKL has no bfloat16 path: 'mkl' means oneDNN's there."""
-    ours = dtype in sluice_gemm.dtypes()
+    wanted = choice == "sluice" or (choice == "auto" and dtype == torch.bfloat16)
+    ours = wanted and dtype in sluice_gemm.dtypes()  # builds the kernel (once a machine) only where it may be chosen
     if choice == "sluice" and not ours:
         raise ValueError(f"cpu_gemm='sluice' needs its {dtype} kernel, which this CPU's build lacks (bfloat16 needs "
                          "AVX512-BF16, float32 AVX-512, and both a C++ compiler)")
     mkl = can_pack_mkl(torch.empty(1))
     if choice == "mkl" and not mkl:
         raise ValueError("cpu_gemm='mkl' needs a PyTorch built with MKL and oneDNN")
-    if choice == "sluice" or (choice == "auto" and ours and dtype == torch.bfloat16):
+    if ours:
         return "sluice"
     if dtype != torch.float32:
         return "onednn"
@@ -167,8 +168,8 @@ class PackedOneDnnFloat32:
 
 class PackedSluiceGemm:
     """A CPU weight in sluice's own GEMM's panels (kernels/cpu_gemm.py), packed once at load; replaces the weight.
-    At a decode step's 8-64 rows it runs 1.0-1.5x oneDNN's bfloat16 GEMM on the same weights, and as fast from there
-    up (bench/NOTES.md); no primitive per row count, so no row bucketing. A [gate; up] projection packs gated, so a
+    At a decode step's 8-64 rows it runs 1.0-2.4x oneDNN's bfloat16 GEMM on the same weights, 0.95-1.08x at 2048
+    (bench/NOTES.md); no primitive per row count, so no row bucketing. A [gate; up] projection packs gated, so a
     SiLU MLP can take silu(gate) * up straight from the GEMM (fused_silu_and_mul)."""
 
     def __init__(self, layer: Linear):
