@@ -89,15 +89,19 @@ def test_cpu_gemm_is_mkl_on_intel_and_onednn_elsewhere(monkeypatch):
 
 
 def test_cpu_gemm_takes_sluices_own_for_bfloat16_where_built(monkeypatch):
-    """'auto' gives bfloat16 to sluice's GEMM where its build has AVX512-BF16 and keeps float32 on MKL/oneDNN;
+    """'auto' gives bfloat16 to sluice's GEMM where its build has AVX512-BF16 and the CPU no AMX tiles (oneDNN's uses
+    them), and keeps float32 on MKL/oneDNN;
     'sluice' asks for it in either dtype and says so where this CPU's build lacks it; MKL has no bfloat16 path."""
     monkeypatch.setattr(linear, "cpu_vendor", lambda: "AuthenticAMD")
+    monkeypatch.setattr(linear, "amx", lambda: False)
     monkeypatch.setattr(linear.sluice_gemm, "dtypes", lambda: (torch.bfloat16, torch.float32))
     assert cpu_gemm("auto", torch.bfloat16) == "sluice" and cpu_gemm("auto", torch.float32) == "onednn"
     assert cpu_gemm("sluice", torch.float32) == "sluice" and cpu_gemm("sluice", torch.bfloat16) == "sluice"
     assert cpu_gemm("onednn", torch.bfloat16) == "onednn" and cpu_gemm("auto", torch.float16) == "onednn"
     if can_pack_mkl(torch.empty(1)):
         assert cpu_gemm("mkl", torch.bfloat16) == "onednn"
+    monkeypatch.setattr(linear, "amx", lambda: True)  # oneDNN multiplies on AMX tiles; sluice's kernel would not
+    assert cpu_gemm("auto", torch.bfloat16) == "onednn" and cpu_gemm("sluice", torch.bfloat16) == "sluice"
     monkeypatch.setattr(linear.sluice_gemm, "dtypes", lambda: ())  # no compiler, or no AVX-512
     assert cpu_gemm("auto", torch.bfloat16) == "onednn"
     with pytest.raises(ValueError, match="cpu_gemm='sluice' needs its torch.bfloat16 kernel"):

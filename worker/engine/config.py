@@ -212,7 +212,8 @@ class EngineConfig:
     attention_backend: str = "auto"
     linear_backend: str = "auto"
     # CPU projections: "sluice" (its own GEMM, bfloat16 on AVX512-BF16 and float32 on AVX-512), "mkl" or "onednn"
-    # (float32; bfloat16 takes oneDNN's), or "auto": sluice's for bfloat16, MKL's float32 on Intel, oneDNN's elsewhere
+    # (float32; bfloat16 takes oneDNN's), or "auto": sluice's for bfloat16 (oneDNN's where the CPU has AMX tiles),
+    # MKL's float32 on Intel, oneDNN's elsewhere
     cpu_gemm: str = "auto"
     load_format: str = "auto"
     enable_lora: bool = False  # LoRA adapters, named per request (lora.LoRARequest), served beside the base model

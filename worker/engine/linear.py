@@ -70,8 +70,15 @@ def native_half_gemm(dtype: torch.dtype) -> bool:
     import torch.cpu as cpu
 
     if dtype == torch.bfloat16:
-        return cpu._is_avx512_bf16_supported() or cpu._is_amx_tile_supported()
+        return cpu._is_avx512_bf16_supported() or amx()
     return dtype == torch.float16 and cpu._is_amx_fp16_supported()
+
+
+def amx() -> bool:
+    """Whether this CPU has AMX tiles, which oneDNN's bfloat16 GEMM uses."""
+    import torch.cpu as cpu
+
+    return cpu._is_amx_tile_supported()
 
 
 def can_pack_half(weight: torch.Tensor) -> bool:
@@ -98,13 +105,14 @@ def cpu_vendor() -> str:
 def cpu_gemm(choice: str, dtype: torch.dtype = torch.float32) -> str:
     """Which GEMM runs the CPU projections of `dtype`: 'sluice', 'mkl' or 'onednn'.
 
-    'auto' takes sluice's own (kernels/cpu_gemm.py) for bfloat16 where it is built for AVX512-BF16: at a decode
-    step's rows it outran oneDNN's on the same weights. For float32 it ran no faster than oneDNN's in the engine, so
+    'auto' takes sluice's own (kernels/cpu_gemm.py) for bfloat16 where it is built for AVX512-BF16 and the CPU has no
+    AMX tiles: at a decode step's rows it outran oneDNN's on the same weights, but oneDNN multiplies on AMX tiles
+    where they exist, which sluice's kernel does not use. For float32 it ran no faster than oneDNN's in the engine, so
     'auto' keeps MKL's packed sgemm on Intel CPUs and oneDNN's elsewhere: MKL dispatches by vendor and takes a generic
     path on AMD CPUs, where oneDNN (which dispatches by instruction set) ran faster; on an Intel Xeon MKL's packed
     kernel ran faster than oneDNN's from 4 to 256 rows (bench/throughput.py prints both rates; bench/NOTES.md has the
     runs). MKL has no bfloat16 path: 'mkl' means oneDNN's there."""
-    wanted = choice == "sluice" or (choice == "auto" and dtype == torch.bfloat16)
+    wanted = choice == "sluice" or (choice == "auto" and dtype == torch.bfloat16 and not amx())
     ours = wanted and dtype in sluice_gemm.dtypes()  # builds the kernel (once a machine) only where it may be chosen
     if choice == "sluice" and not ours:
         raise ValueError(f"cpu_gemm='sluice' needs its {dtype} kernel, which this CPU's build lacks (bfloat16 needs "
